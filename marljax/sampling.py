@@ -1,0 +1,156 @@
+"""Jitted KV-cache sampler: prefill + `lax.while_loop` decode, for prompts of any lengths.
+
+Prompts are right-padded into one [B, P] block and every row writes its KV cache at columns equal to
+its own positions, so a prompt's output does not depend on what else is in the batch. Shapes are
+bucketed (batch and prompt length to powers of two) so a run compiles a handful of times.
+
+Returned logprobs are the model's own log-probabilities of the sampled tokens at temperature 1
+(log_softmax of the raw logits), whatever temperature / top-p / top-k the tokens were drawn with.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from marljax.models.decoder import Decoder, init_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. temperature 0 = greedy; top_k 0 and top_p 1 = off."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be ≥ 1.")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be ≥ 0 (0 means greedy).")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1].")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be ≥ 0 (0 means off).")
+
+
+@dataclasses.dataclass
+class SampleOutput:
+    """Per prompt: generated ids (stop token included if hit), their logprobs, whether a stop hit."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    finished: list[bool]
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """Smallest power of two ≥ max(n, minimum)."""
+    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+def generate(model: Decoder, prompts: list[list[int]], params: SamplingParams, *, lora=None,
+             lora_scale: float = 1.0) -> SampleOutput:
+    """Sample a continuation of every prompt; see the module docstring for logprobs."""
+    if not prompts:
+        return SampleOutput([], [], [])
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("generate() got an empty prompt; every prompt needs at least one token.")
+    lengths = [len(p) for p in prompts]
+    max_pos = max(lengths) + params.max_new_tokens
+    if max_pos > model.config.max_position:
+        raise ValueError(f"prompt ({max(lengths)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                         f"exceeds the model's max_position {model.config.max_position}.")
+    B, P = bucket(len(prompts)), bucket(max(lengths), 16)
+    tokens_bp = np.zeros((B, P), np.int32)
+    for i, p in enumerate(prompts):
+        tokens_bp[i, : len(p)] = p
+    lengths_b = np.ones((B,), np.int32)
+    lengths_b[: len(prompts)] = lengths
+    live_b = np.arange(B) < len(prompts)
+    graphdef, state = nnx.split(model)
+    stops = tuple(sorted(set(params.stop_token_ids))) or (-1,)
+    out_tokens, out_logprobs, n_out, finished = _sample(
+        graphdef, state, lora, jnp.asarray(tokens_bp), jnp.asarray(lengths_b), jnp.asarray(live_b),
+        jax.random.key(params.seed), jnp.float32(lora_scale),
+        max_new=params.max_new_tokens, temperature=float(params.temperature),
+        top_p=float(params.top_p), top_k=int(params.top_k), stops=stops)
+    out_tokens, out_logprobs = np.asarray(out_tokens), np.asarray(out_logprobs)
+    n_out, finished = np.asarray(n_out), np.asarray(finished)
+    n = len(prompts)
+    return SampleOutput(
+        tokens=[out_tokens[i, : n_out[i]].tolist() for i in range(n)],
+        logprobs=[out_logprobs[i, : n_out[i]].tolist() for i in range(n)],
+        finished=[bool(finished[i]) for i in range(n)])
+
+
+def choose(logits_bv, key, temperature: float, top_p: float, top_k: int):
+    """Draw one token per row from float32 logits (greedy when temperature is 0)."""
+    if temperature == 0.0:
+        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    logits = logits_bv / temperature
+    neg = jnp.finfo(jnp.float32).min
+    if top_k > 0:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, neg, logits)
+    if top_p < 1.0:
+        sorted_desc = -jnp.sort(-logits, axis=-1)
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        cutoff = jnp.min(jnp.where(mass_before < top_p, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, neg, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(0,),
+                   static_argnames=("max_new", "temperature", "top_p", "top_k", "stops"))
+def _sample(graphdef, state, lora, tokens_bp, lengths_b, live_b, key, lora_scale, *, max_new,
+            temperature, top_p, top_k, stops):
+    model = nnx.merge(graphdef, state)
+    B, P = tokens_bp.shape
+    cache = init_cache(model.config, B, P + max_new)
+    stop_ids = jnp.asarray(stops, jnp.int32)
+
+    def pick(h_bd, step, key):
+        logits_bv = model.logits(h_bd)
+        tok_b = choose(logits_bv, jax.random.fold_in(key, step), temperature, top_p, top_k)
+        logp_b = jnp.take_along_axis(jax.nn.log_softmax(logits_bv, axis=-1), tok_b[:, None], 1)[:, 0]
+        return tok_b, logp_b
+
+    h_bpd, cache = model.hidden(tokens_bp, cache=cache, lora=lora, lora_scale=lora_scale)
+    last_bd = jnp.take_along_axis(h_bpd, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
+    tok_b, logp_b = pick(last_bd, 0, key)
+    out_tok = jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(tok_b)
+    out_logp = jnp.zeros((B, max_new), jnp.float32).at[:, 0].set(logp_b)
+    n_out = jnp.where(live_b, 1, 0)
+    hit = jnp.isin(tok_b, stop_ids)
+    done = ~live_b | hit
+
+    def cond(carry):
+        step, _, _, _, done, _, _, _ = carry
+        return (step < max_new) & ~jnp.all(done)
+
+    def body(carry):
+        step, out_tok, out_logp, n_out, done, hit, cache, tok_b = carry
+        pos_b1 = (lengths_b + step - 1)[:, None]
+        h, cache = model.hidden(tok_b[:, None], pos_b1, cache=cache, lora=lora,
+                                lora_scale=lora_scale)
+        new_tok, new_logp = pick(h[:, 0], step, key)
+        new_tok = jnp.where(done, 0, new_tok)
+        out_tok = out_tok.at[:, step].set(new_tok)
+        out_logp = out_logp.at[:, step].set(jnp.where(done, 0.0, new_logp))
+        n_out = n_out + jnp.where(done, 0, 1)
+        new_hit = ~done & jnp.isin(new_tok, stop_ids)
+        return step + 1, out_tok, out_logp, n_out, done | new_hit, hit | new_hit, cache, new_tok
+
+    carry = (jnp.int32(1), out_tok, out_logp, n_out, done, hit, cache, tok_b)
+    _, out_tok, out_logp, n_out, _, hit, _, _ = jax.lax.while_loop(cond, body, carry)
+    return out_tok, out_logp, n_out, hit
