@@ -96,8 +96,8 @@ class CheckpointSection:
 
 @dataclasses.dataclass
 class DiagnosticsSection:
-    cliff_drop: float = 0.1  # δ: absolute accuracy drop from the peak
-    cliff_window: float = 0.3  # X: the drop must happen within the last X of the run
+    cliff_drop: float = 0.05  # δ: absolute accuracy drop from the peak (0.05 = 5 points)
+    cliff_window: float = 0.25  # X: the drop must start within the last X of the run
     dominant_window: int = 5
     rollback_on_cliff: bool = False
     max_nonfinite: int = 3  # stop after this many non-finite losses in a row

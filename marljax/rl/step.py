@@ -195,7 +195,9 @@ class Trainer:
                                                                                    1e-12)
             g_set = functools.reduce(lambda x, y: jax.tree.map(jnp.add, x, y),
                                      [_scale(grads[r], coeffs[r]) for r in roles])
-            active = total > 0
+            finite = jnp.all(jnp.stack([jnp.isfinite(losses[r]) & jnp.isfinite(norms[r]) for r in roles]))
+            active = (total > 0) & finite  # a non-finite loss or gradient skips the update
+            out[f"set/{set_name}/nonfinite"] = (~finite).astype(jnp.float32)
             opt_state = new_opt[set_name]
             opt_state[1].hyperparams["learning_rate"] = lr
             updates, opt_state = self.optimizer.update(g_set, opt_state, params[set_name])
@@ -303,6 +305,10 @@ def train_batch(trainer: Trainer, params, opt_states, ema, samples: list[Sample]
             opt_steps[s] += int(m.get(f"set/{s}/active", 0.0) > 0)
         for k, v in m.items():
             if k.startswith("set/") and k.endswith("/active"):
+                continue
+            if k.endswith("/nonfinite"):  # any non-finite mini-batch marks the step
+                sums[k] = max(sums.get(k, 0.0), float(v))
+                counts[k] = 1
                 continue
             if k.startswith("role/") and float(m.get(f"role/{k.split('/')[1]}/n_seq", 1.0)) == 0:
                 continue  # a role absent from this mini-batch does not dilute its averages

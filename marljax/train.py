@@ -1,0 +1,305 @@
+"""`python -m marljax.train [--config FILE] [key=value ...]`: GRPO on a multi-agent workflow.
+
+Loop per step: rollout (batched workflow engine over the policy sets) → rewards → group advantages →
+one jitted update per mini-batch (per-role grads, diagnostics, per-set AdamW) → metrics. Evaluation
+(workflow pass@1 on held-out problems) before step 1 and every `eval.every` steps; Orbax checkpoints
+every `checkpoint.every` steps; re-running on a run_dir with a checkpoint resumes it exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+from flax import nnx
+from tqdm.auto import tqdm
+
+from marljax.checkpoint import Checkpointer
+from marljax.config import Config, ConfigError, load_config, to_dict
+from marljax.metrics import MetricsLogger
+from marljax.models import load_model, load_tokenizer
+from marljax.models.tokenizer import ChatCodec
+from marljax.rl import policy_map as pm
+from marljax.rl.advantages import AdvantageConfig, compute_advantages
+from marljax.rl.diagnostics import AccuracyTracker, CliffConfig, DominanceTracker, LengthDrift
+from marljax.rl.lora import ALL_LINEAR, LoRAConfig, init_lora
+from marljax.rl.losses import LossConfig
+from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, train_batch
+from marljax.sampling import SamplingParams, generate
+from marljax.tasks.data import load_task
+from marljax.workflows import Sample as WorkflowSample
+from marljax.workflows import get_workflow, rollout
+from marljax.workflows.evaluation import evaluate_workflow
+from marljax.workflows.metrics import rollout_metrics
+
+DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    """Linear warm-up then cosine to 0 (or constant), indexed by training step (1-based)."""
+    o = cfg.optim
+    if o.warmup_steps > 0 and step <= o.warmup_steps:
+        return o.lr * step / o.warmup_steps
+    if o.schedule == "constant":
+        return o.lr
+    if o.schedule != "cosine":
+        raise ConfigError(f"optim.schedule={o.schedule!r}; choose 'cosine' or 'constant'.")
+    span = max(cfg.steps - o.warmup_steps, 1)
+    return o.lr * 0.5 * (1 + math.cos(math.pi * min(step - o.warmup_steps, span) / span))
+
+
+def workflow_options(cfg: Config) -> dict:
+    w = cfg.workflow
+    return {"voting": {"n_votes": w.n_votes}, "eval_opt": {"max_iterations": w.max_iterations},
+            "orch_workers": {"max_subtasks": w.max_subtasks}}.get(w.name, {})
+
+
+def same_role_counts(workflow) -> dict[str, int]:
+    """N parallel same-role agents per role (voters, workers), for `rl.same_role_scale`."""
+    return {"voting": {"generator": getattr(workflow, "n_votes", 1)},
+            "orch_workers": {"worker": getattr(workflow, "max_subtasks", 1)}}.get(workflow.name, {})
+
+
+class Run:
+    """Everything a training run holds; built from a Config."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.run_dir = pathlib.Path(cfg.run_dir)
+        self.model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed)
+        self.codec = ChatCodec(load_tokenizer(cfg.model))
+        opts = dict(cfg.task.options)
+        self.train_problems = load_task(cfg.task.name, path=cfg.task.path, split="train", seed=cfg.seed,
+                                        limit=cfg.task.train_size, **opts)
+        self.eval_problems = load_task(cfg.task.name, path=cfg.task.path, split="test", seed=cfg.seed,
+                                       limit=cfg.task.eval_n, **opts)
+        if not self.train_problems:
+            raise ConfigError(f"task {cfg.task.name!r} gave no training problems.")
+        self.workflow = get_workflow(cfg.workflow.name, **workflow_options(cfg))
+        self.policy = pm.from_config(cfg.policy, self.workflow.roles)
+        self.route = dict(self.policy.route)
+        rl = cfg.rl
+        counts = same_role_counts(self.workflow)
+        temp = rl.logprob_temperature or cfg.sampling.temperature or 1.0
+        self.lora_cfg = None
+        if cfg.lora.enabled:
+            targets = ALL_LINEAR if cfg.lora.targets in (["all-linear"], "all-linear") else tuple(cfg.lora.targets)
+            self.lora_cfg = LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=targets)
+        unknown_kl = sorted(set(rl.kl_beta) - set(self.workflow.roles))
+        if unknown_kl:
+            raise ConfigError(f"rl.kl_beta names roles {unknown_kl} not in workflow "
+                              f"{self.workflow.name!r} (roles: {list(self.workflow.roles)}).")
+        self.step_cfg = StepConfig(
+            route=tuple(self.route.items()),
+            loss=LossConfig(clip_low=rl.clip_low, clip_high=rl.clip_high, dual_clip=rl.dual_clip, agg=rl.agg),
+            role_weighting=rl.role_weighting,
+            role_scale=tuple((r, 1.0 / n) for r, n in counts.items()) if rl.same_role_scale else (),
+            kl_beta=tuple((r, float(b)) for r, b in rl.kl_beta.items()),
+            damping_lambda=rl.damping_lambda, damping_ema=rl.damping_ema, logprob_temperature=temp,
+            lora_scale=self.lora_cfg.scale if self.lora_cfg else None,
+            minibatch=rl.minibatch, minibatch_size=rl.minibatch_size)
+        self.adv_cfg = AdvantageConfig(group_key=rl.group_preset, reward_routing=rl.reward_routing,
+                                       estimator=rl.estimator)
+        o = cfg.optim
+        self.optimizer = make_optimizer(weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, grad_clip=o.grad_clip)
+        self.trainer = Trainer(self.model, self.step_cfg, self.optimizer)
+        self.params = self.init_params()
+        self.opt_states = {s: self.optimizer.init(p) for s, p in self.params.items()}
+        self.ema = ({r: jax.tree.map(jnp.zeros_like, self.params[s]) for r, s in self.route.items()}
+                    if rl.damping_lambda > 0 else {})
+        d = cfg.diagnostics
+        self.accuracy = AccuracyTracker(total_steps=cfg.steps,
+                                        cliff=CliffConfig(min_drop=d.cliff_drop, window_frac=d.cliff_window))
+        self.dominance = DominanceTracker(window=d.dominant_window)
+        self.lengths = LengthDrift()
+        self.nonfinite_streak = 0
+
+    def init_params(self) -> dict:
+        key = jax.random.key(self.cfg.seed)
+        if self.lora_cfg is not None:
+            return {s: init_lora(self.model.config, self.lora_cfg, jax.random.fold_in(key, i))
+                    for i, s in enumerate(self.policy.sets)}
+        state = nnx.state(self.model, nnx.Param)
+        return {s: jax.tree.map(jnp.array, state) for s in self.policy.sets}
+
+    # ---- sampling ------------------------------------------------------------------------------
+    def sample_fn(self, temperature: float):
+        cfg = self.cfg
+
+        def fn(set_name: str, prompts: list[list[int]], seed: int) -> list[WorkflowSample]:
+            sp = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, temperature=temperature,
+                                top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
+                                stop_token_ids=tuple(self.codec.stop_token_ids), seed=seed)
+            if self.lora_cfg is not None:
+                out = generate(self.model, prompts, sp, lora=self.params[set_name],
+                               lora_scale=self.lora_cfg.scale)
+            else:
+                out = generate(nnx.merge(self.trainer.graphdef, self.params[set_name]), prompts, sp)
+            return [WorkflowSample(t, lp, not fin) for t, lp, fin in zip(out.tokens, out.logprobs, out.finished)]
+        return fn
+
+    def evaluate(self, seed: int) -> dict:
+        ev = evaluate_workflow(self.workflow, self.eval_problems, self.sample_fn(self.cfg.eval.temperature),
+                               self.codec, self.route, seed=seed, k=self.cfg.eval.k, progress=False)
+        return ev
+
+    # ---- data ----------------------------------------------------------------------------------
+    def batch_problems(self, step: int):
+        """Problems of training step `step` (1-based): a seeded permutation per epoch, deterministic."""
+        n, per = len(self.train_problems), self.cfg.rl.problems_per_step
+        start = (step - 1) * per
+        out = []
+        for i in range(start, start + per):
+            epoch, pos = divmod(i, n)
+            perm = np.random.default_rng([self.cfg.seed, epoch]).permutation(n)
+            out.append(self.train_problems[perm[pos]])
+        return out
+
+    # ---- one step ------------------------------------------------------------------------------
+    def train_step(self, step: int) -> dict:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        problems = self.batch_problems(step)
+        ro = rollout(self.workflow, problems, self.sample_fn(cfg.sampling.temperature), self.codec,
+                     self.route, n_rollouts=cfg.rl.rollouts, seed=int(np.random.SeedSequence(
+                         [cfg.seed, step]).generate_state(1)[0]))
+        t_rollout = time.perf_counter() - t0
+        c = ro.columns()
+        adv = compute_advantages(problem_id=c.problem_id, rollout=c.rollout, role=c.role, slot=c.slot,
+                                 turn=c.turn, episode_reward=c.reward, role_reward=c.correct,
+                                 cfg=self.adv_cfg, split_slots=ro.slot_grouped_roles)
+        samples = [Sample(str(c.role[i]), list(c.prompt_ids[i]), list(c.response_ids[i]),
+                          float(adv.advantage[i])) for i in range(len(c.role)) if len(c.response_ids[i])]
+        t1 = time.perf_counter()
+        self.params, self.opt_states, self.ema, m = train_batch(
+            self.trainer, self.params, self.opt_states, self.ema, samples, lr_at(cfg, step))
+        t_update = time.perf_counter() - t1
+        record = {"step": step, "lr": lr_at(cfg, step), **rollout_metrics(ro), **adv.metrics(), **m}
+        for role in self.workflow.roles:
+            record[f"role/{role}/n_samples"] = int(np.sum(c.role == role))
+        set_losses = [m[f"set/{s}/loss"] for s in self.policy.sets if f"set/{s}/loss" in m]
+        record["loss"] = float(np.mean(set_losses)) if set_losses else float("nan")
+        record["grad_norm"] = float(np.sqrt(sum(m.get(f"set/{s}/grad_norm", 0.0) ** 2
+                                                for s in self.policy.sets)))
+        n_tokens = sum(len(s.response) for s in samples)
+        record.update({"time/rollout_s": t_rollout, "time/update_s": t_update,
+                       "time/step_s": time.perf_counter() - t0, "throughput/response_tok_s":
+                       n_tokens / max(time.perf_counter() - t0, 1e-9)})
+        shared_roles = [r for r in self.workflow.roles if len(self.policy.roles_of(self.route[r])) > 1]
+        if shared_roles:  # dominance is defined among roles that share a set
+            self.dominance.update({r: m.get(f"role/{r}/grad_share", 0.0) for r in shared_roles})
+        dom_role, dom_share = self.dominance.index()
+        record["diag/dominant_share"] = dom_share
+        if dom_role is not None:
+            record["diag/dominant_role"] = dom_role
+        drift = self.lengths.update(step, {r: record[f"role/{r}/length_mean"] for r in self.workflow.roles
+                                           if f"role/{r}/length_mean" in record})
+        record.update({f"role/{r}/length_drift": v for r, v in drift.items()})
+        return record
+
+    # ---- checkpoint state ----------------------------------------------------------------------
+    def state(self):
+        return {"params": self.params, "opt": self.opt_states, "ema": self.ema}
+
+    def meta(self, step: int) -> dict:
+        return {"step": step, "accuracy": self.accuracy.state_dict(),
+                "dominance": self.dominance.state_dict(), "lengths": self.lengths.state_dict(),
+                "nonfinite_streak": self.nonfinite_streak}
+
+    def load(self, state, meta):
+        self.params, self.opt_states, self.ema = state["params"], state["opt"], state["ema"]
+        self.accuracy = AccuracyTracker.from_state_dict(meta["accuracy"])
+        self.dominance = DominanceTracker.from_state_dict(meta["dominance"])
+        self.lengths = LengthDrift.from_state_dict(meta["lengths"])
+        self.nonfinite_streak = meta["nonfinite_streak"]
+
+
+def check_run_dir_config(run_dir: pathlib.Path, cfg: Config) -> None:
+    """A resumed run must use the config it started with (except `steps`, which may grow)."""
+    saved = run_dir / "config.yaml"
+    if not saved.exists():
+        return
+    old, new = yaml.safe_load(saved.read_text()), to_dict(cfg)
+    old.pop("steps", None)
+    new = {k: v for k, v in new.items() if k != "steps"}
+    diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    if diff:
+        raise ConfigError(f"{run_dir} holds a run with a different config (differs in: {', '.join(diff)}). "
+                          "Resume with the same config, or pick a new run_dir.")
+
+
+def train(cfg: Config) -> pathlib.Path:
+    run_dir = pathlib.Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    check_run_dir_config(run_dir, cfg)
+    run = Run(cfg)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    ckpt = Checkpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep)
+    log = MetricsLogger(run_dir)
+    start = 0
+    if ckpt.latest_step() is not None:
+        start, state, meta = ckpt.restore(run.state())
+        run.load(state, meta)
+        log.truncate_after(start)
+        print(f"resumed {run_dir} from step {start}", file=sys.stderr)
+    elif cfg.eval.at_start:
+        ev = run.evaluate(seed=cfg.seed)
+        run.accuracy.update(0, ev.metrics["pass@1"])
+        log.log({"step": 0, **{f"eval/{k}": v for k, v in ev.metrics.items()}})
+        (run_dir / "eval_step0.jsonl").write_text("".join(json.dumps(t) + "\n" for t in ev.transcripts))
+    bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="train", unit="step")
+    for step in bar:
+        record = run.train_step(step)
+        nonfinite = not math.isfinite(record["loss"]) or any(
+            record.get(f"set/{s}/nonfinite", 0) for s in run.policy.sets)
+        run.nonfinite_streak = run.nonfinite_streak + 1 if nonfinite else 0
+        if nonfinite:
+            print(f"step {step}: non-finite loss/gradient; update skipped "
+                  f"({run.nonfinite_streak} in a row)", file=sys.stderr)
+        if cfg.eval.every > 0 and (step % cfg.eval.every == 0 or step == cfg.steps):
+            ev = run.evaluate(seed=cfg.seed + step)
+            record.update({f"eval/{k}": v for k, v in ev.metrics.items()})
+            if run.accuracy.update(step, ev.metrics["pass@1"]):
+                record["diag/cliff"] = 1
+        record.update({f"diag/{k}": v for k, v in run.accuracy.summary().items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        log.log(record)
+        bar.set_postfix({"reward": f"{record['reward/mean']:.3f}", "loss": f"{record['loss']:.3f}",
+                         **({"pass@1": f"{record['eval/pass@1']:.3f}"} if "eval/pass@1" in record else {})})
+        ckpt.save(step, run.state(), run.meta(step), force=step == cfg.steps)
+        if run.nonfinite_streak >= cfg.diagnostics.max_nonfinite:
+            ckpt.close()
+            log.close()
+            raise FloatingPointError(
+                f"{run.nonfinite_streak} non-finite losses in a row up to step {step}; stopping. The last "
+                f"good state is the newest checkpoint in {ckpt.dir}. Lower optim.lr or check the data.")
+    ckpt.close()
+    log.close()
+    from marljax.report import write_report
+    return write_report([run_dir])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m marljax.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="YAML config (default: configs/default.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rl.clip_high=0.28")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides,
+                          default_file=str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None)
+    except ConfigError as e:
+        parser.exit(2, f"config error: {e}\n")
+    report = train(cfg)
+    print(f"report: {report}")
+
+
+if __name__ == "__main__":
+    main()
