@@ -152,7 +152,7 @@ class Trainer:
             (loss, (denom, metrics)), g = jax.value_and_grad(self.role_loss, has_aux=True)(
                 trainable, batch, role, recompute_old)
             grads[role], denoms[role], losses[role] = g, denom, loss
-            norms[role] = optax.global_norm(g)
+            norms[role] = optax.tree.norm(g)
             out[f"role/{role}/loss"] = loss
             out[f"role/{role}/grad_norm"] = norms[role]
             out[f"role/{role}/n_seq"] = denom
@@ -178,7 +178,7 @@ class Trainer:
                 damp = jnp.float32(1.0)
                 if cfg.damping_lambda > 0:
                     cos = _tree_dot(grads[r], ema[r]) / jnp.maximum(
-                        norms[r] * optax.global_norm(ema[r]), 1e-12)
+                        norms[r] * optax.tree.norm(ema[r]), 1e-12)
                     damp = 1.0 - cfg.damping_lambda * jnp.clip(cos, 0.0, 1.0)
                     mix = jnp.where(denoms[r] > 0, cfg.damping_ema, 1.0)  # absent role: keep EMA
                     new_ema[r] = jax.tree.map(lambda e, g: mix * e + (1 - mix) * g, ema[r], grads[r])
@@ -206,8 +206,8 @@ class Trainer:
                                                 params[set_name])
             new_opt[set_name] = jax.tree.map(lambda n, o: jnp.where(active, n, o), opt_state,
                                              new_opt[set_name])
-            out[f"set/{set_name}/grad_norm"] = optax.global_norm(g_set)
-            out[f"set/{set_name}/update_norm"] = jnp.where(active, optax.global_norm(updates), 0.0)
+            out[f"set/{set_name}/grad_norm"] = optax.tree.norm(g_set)
+            out[f"set/{set_name}/update_norm"] = jnp.where(active, optax.tree.norm(updates), 0.0)
             out[f"set/{set_name}/loss"] = sum(weights[r] * losses[r] for r in roles)
             out[f"set/{set_name}/active"] = active.astype(jnp.float32)
         return new_params, new_opt, new_ema, out

@@ -1,0 +1,178 @@
+"""`python -m marljax.report RUN_DIR [RUN_DIR ...] [--out DIR]`: report.md + PNG plots of runs.
+
+Per run: accuracy vs step (base line, peak, final, cliff marker), per-role gradient norm and mass share,
+per-role output length and parse-failure rate, optimizer steps per set. For several runs, a paper-style
+table: cell, base, peak (step), final, Δ vs base, cliff, dominant role. Every number in the table comes
+from metrics.jsonl through `summarize`.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import pathlib
+from typing import Any
+
+import yaml
+
+from marljax.metrics import read_metrics
+from marljax.rl.diagnostics import CliffConfig, detect_cliff
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pts], [float(p[1]) for p in pts]
+
+
+def _roles(records: list[dict], suffix: str) -> list[str]:
+    return sorted({k.split("/")[1] for r in records for k in r if k.startswith("role/") and k.endswith(suffix)})
+
+
+def _config(run_dir: pathlib.Path) -> dict:
+    path = run_dir / "config.yaml"
+    return yaml.safe_load(path.read_text()) if path.exists() else {}
+
+
+def summarize(run_dir: str | pathlib.Path) -> dict[str, Any]:
+    """Base, peak, final, cliff and dominant role of one run, from its metrics.jsonl."""
+    run_dir = pathlib.Path(run_dir)
+    records = read_metrics(run_dir)
+    cfg = _config(run_dir)
+    steps, acc = _series(records, "eval/pass@1")
+    diag = cfg.get("diagnostics", {})
+    cliff_cfg = CliffConfig(min_drop=diag.get("cliff_drop", 0.05), window_frac=diag.get("cliff_window", 0.25))
+    total = int(cfg.get("steps") or (steps[-1] if steps else 0)) or None
+    out: dict[str, Any] = {
+        "run": run_dir.name,
+        "cell": "/".join(str(x) for x in (cfg.get("workflow", {}).get("name"), cfg.get("task", {}).get("name"),
+                                          cfg.get("model"), _policy_name(cfg.get("policy")))),
+        "steps": max((r["step"] for r in records), default=0)}
+    if steps:
+        s = detect_cliff(steps, acc, total_steps=total, cfg=cliff_cfg)
+        out.update(base=s["base"], peak=s["peak"], peak_step=s["best_step"], final=s["final"],
+                   delta=s["final"] - s["base"], cliff=bool(s["cliff"]))
+    doms = [r["diag/dominant_role"] for r in records if "diag/dominant_role" in r]
+    shares = [r["diag/dominant_share"] for r in records if isinstance(r.get("diag/dominant_share"), float)
+              and math.isfinite(r["diag/dominant_share"])]
+    if doms:
+        out["dominant_role"] = max(set(doms), key=doms.count)
+        out["dominant_share"] = shares[-1] if shares else float("nan")
+    return out
+
+
+def _policy_name(policy: Any) -> str:
+    return policy if isinstance(policy, str) else "custom"
+
+
+def plot_run(run_dir: pathlib.Path, out_dir: pathlib.Path) -> list[pathlib.Path]:
+    """Write the per-run PNGs; returns their paths."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    summary = summarize(run_dir)
+    name = run_dir.name
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    steps, acc = _series(records, "eval/pass@1")
+    if steps:
+        ax.plot(steps, acc, "o-", label="workflow pass@1 (held-out)")
+        ax.axhline(summary["base"], color="gray", ls="--", label=f"base {summary['base']:.3f}")
+        ax.plot([summary["peak_step"]], [summary["peak"]], "*", ms=14, color="tab:green",
+                label=f"peak {summary['peak']:.3f} @ {summary['peak_step']}")
+        if summary["cliff"]:
+            ax.axvspan(steps[-1] - 0.5, steps[-1] + 0.5, color="red", alpha=0.2, label="terminal cliff")
+    rs, rw = _series(records, "reward/mean")
+    if rs:
+        ax.plot(rs, rw, "-", alpha=0.5, label="train reward (mean)")
+    ax.set(title=f"{name}: accuracy", xlabel="training step", ylabel="accuracy / reward (0–1)")
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, out_dir / f"{name}_accuracy.png"))
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for role in _roles(records, "/grad_norm"):
+        a1.plot(*_series(records, f"role/{role}/grad_norm"), label=role)
+    a1.set(title="per-role gradient norm ‖g_r‖", xlabel="training step", ylabel="L2 norm", yscale="log")
+    a1.legend(fontsize=8)
+    for role in _roles(records, "/grad_share"):
+        a2.plot(*_series(records, f"role/{role}/grad_share"), label=role)
+    a2.set(title="per-role share of its set's update mass", xlabel="training step", ylabel="share (0–1)",
+           ylim=(0, 1.05))
+    a2.legend(fontsize=8)
+    paths.append(_save(fig, out_dir / f"{name}_gradients.png"))
+
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4))
+    for role in _roles(records, "/length_mean"):
+        a1.plot(*_series(records, f"role/{role}/length_mean"), label=role)
+    a1.set(title="per-role output length", xlabel="training step", ylabel="tokens per call")
+    a1.legend(fontsize=8)
+    for role in _roles(records, "/parse_fail"):
+        a2.plot(*_series(records, f"role/{role}/parse_fail"), label=role)
+    a2.set(title="per-role parse-failure rate", xlabel="training step", ylabel="fraction of calls",
+           ylim=(-0.05, 1.05))
+    a2.legend(fontsize=8)
+    sets = sorted({k.split("/")[1] for r in records for k in r if k.startswith("set/") and k.endswith("/opt_steps")})
+    for s in sets:
+        a3.plot(*_series(records, f"set/{s}/opt_steps"), "o-", label=s)
+    a3.set(title="optimizer steps per set per training step", xlabel="training step", ylabel="steps")
+    a3.legend(fontsize=8)
+    paths.append(_save(fig, out_dir / f"{name}_roles.png"))
+    return paths
+
+
+def _save(fig, path: pathlib.Path) -> pathlib.Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return path
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:+.3f}" if v < 0 else f"{v:.3f}"
+    return "–" if v is None else str(v)
+
+
+def table(summaries: list[dict]) -> str:
+    """Markdown table: cell, base, peak (step), final, Δ vs base, cliff, dominant role."""
+    lines = ["| run | cell | base | peak (step) | final | Δ vs base | cliff | dominant role |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in summaries:
+        peak = f"{_fmt(s.get('peak'))} ({s.get('peak_step', '–')})"
+        dom = f"{s['dominant_role']} ({s['dominant_share']:.2f})" if "dominant_role" in s else "–"
+        lines.append(f"| {s['run']} | {s['cell']} | {_fmt(s.get('base'))} | {peak} | {_fmt(s.get('final'))} | "
+                     f"{_fmt(s.get('delta'))} | {_fmt(s.get('cliff'))} | {dom} |")
+    return "\n".join(lines)
+
+
+def write_report(run_dirs: list[str | pathlib.Path], out: str | pathlib.Path | None = None) -> pathlib.Path:
+    """Write report.md (+ PNGs) into `out` (default: the single run's dir) and return its path."""
+    run_dirs = [pathlib.Path(d) for d in run_dirs]
+    out_dir = pathlib.Path(out) if out else run_dirs[0]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summaries = [summarize(d) for d in run_dirs]
+    parts = ["# marljax report", "", table(summaries), ""]
+    for d in run_dirs:
+        parts += [f"## {d.name}", ""]
+        for p in plot_run(d, out_dir):
+            parts.append(f"![{p.stem}]({p.name})")
+        parts.append("")
+    path = out_dir / "report.md"
+    path.write_text("\n".join(parts))
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m marljax.report", description=__doc__.splitlines()[0])
+    ap.add_argument("run_dirs", nargs="+")
+    ap.add_argument("--out", help="output dir (default: the first run dir)")
+    args = ap.parse_args(argv)
+    print(f"report: {write_report(args.run_dirs, args.out)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,407 @@
+"""Workflow vocabulary and the batched rollout engine.
+
+A workflow describes one episode as a script: a Python generator that yields a *stage* (the list of
+role calls that can run now), receives their response texts, and finally returns an `Outcome`. The
+engine drives the scripts of all episodes in lockstep: every call of a stage, across all episodes, goes
+to the sampler at once, grouped by parameter set (`route[role]`). So a step costs one sampler call per
+stage and per distinct set in it, however many agents there are; episodes that finish early (Eval-Opt)
+simply stop yielding. Rewards are computed afterwards in one batched `reward_fn` call.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import zlib
+from collections.abc import Callable, Generator, Mapping, Sequence
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+from marljax.tasks.data import Problem
+
+GENERATOR = "generator"
+EVALUATOR = "evaluator"
+AGGREGATOR = "aggregator"
+ORCHESTRATOR = "orchestrator"
+WORKER = "worker"
+SYNTHESIZER = "synthesizer"
+
+Message = Mapping[str, str]  # {"role": "user" | "assistant" | "system", "content": str}
+
+
+def user(content: str) -> dict[str, str]:
+    return {"role": "user", "content": content}
+
+
+def assistant(content: str) -> dict[str, str]:
+    return {"role": "assistant", "content": content}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One sampled response: ids (the stop token included if hit), their sampler logprobs, and whether
+    generation hit max_new_tokens without a stop token."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    truncated: bool
+
+
+class ChatCodec(Protocol):
+    """Turns chat messages into prompt ids (generation prompt included) and response ids into text."""
+
+    stop_token_ids: tuple[int, ...]
+
+    def render(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+SampleFn = Callable[[str, list[list[int]], int], list[Sample]]  # (set_name, prompts, seed) -> samples
+RewardFn = Callable[[Sequence[Problem], Sequence[str]], list[float]]
+
+
+def grade_serially(problems: Sequence[Problem], texts: Sequence[str]) -> list[float]:
+    """Default `reward_fn`: `Problem.reward` one text at a time. Swap in a pool-backed one for code."""
+    return [float(p.reward(t)) for p, t in zip(problems, texts, strict=True)]
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleCall:
+    """A request for one generation: which role speaks (slot: parallel same-role agent index; turn:
+    the role's iteration index within the episode) and the chat it sees."""
+
+    role: str
+    slot: int
+    turn: int
+    messages: tuple[Message, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What an episode script returns: the final answer text (graded for the reward) and JSON-able
+    facts about the episode; numeric ones are averaged into `workflow/<key>` metrics."""
+
+    final: str
+    info: dict[str, Any]
+
+
+EpisodeScript = Generator[list[RoleCall], list[str], Outcome]
+
+
+@dataclasses.dataclass(frozen=True)
+class CallRecord:
+    """One executed role call: one trajectory for the trainer."""
+
+    episode: int
+    problem_index: int  # index into the problems passed to `rollout`
+    problem_id: str
+    rollout: int  # which of the n_rollouts of its problem
+    role: str
+    slot: int
+    turn: int
+    stage: int
+    set_name: str
+    messages: tuple[Message, ...]
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    text: str
+    truncated: bool
+    parse_failed: bool
+    correct: float | None = None  # this call's own answer re-graded, where defined (metrics only)
+
+
+@dataclasses.dataclass(frozen=True)
+class Episode:
+    id: int
+    problem_index: int
+    problem_id: str
+    rollout: int
+    final: str
+    reward: float
+    info: dict[str, Any]
+    call_ids: tuple[int, ...]  # indices into Rollout.calls, in execution order
+
+
+@dataclasses.dataclass(frozen=True)
+class CallColumns:
+    """Calls as flat per-call columns in call order (ragged token arrays as lists): what advantages and
+    the trainer consume, e.g. `compute_advantages(problem_id=c.problem_id, rollout=c.rollout,
+    role=c.role, slot=c.slot, turn=c.turn, episode_reward=c.reward, role_reward=c.correct,
+    split_slots=rollout.slot_grouped_roles)`."""
+
+    role: np.ndarray  # str [N]
+    set_name: np.ndarray  # str [N]
+    prompt_ids: list[np.ndarray]  # int32 each
+    response_ids: list[np.ndarray]  # int32 each
+    logprobs: list[np.ndarray]  # float32 each, aligned with response_ids
+    episode: np.ndarray  # int32 [N]
+    problem_index: np.ndarray  # int32 [N]
+    problem_id: np.ndarray  # str [N]
+    rollout: np.ndarray  # int32 [N]
+    slot: np.ndarray  # int32 [N]
+    turn: np.ndarray  # int32 [N]
+    reward: np.ndarray  # float32 [N]: the episode's reward broadcast to the call (outcome broadcast)
+    correct: np.ndarray  # float32 [N]: the call's own re-graded correctness, NaN where undefined
+    truncated: np.ndarray  # bool [N]
+    parse_failed: np.ndarray  # bool [N]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """The result of running a workflow on a batch: every call and every episode."""
+
+    workflow: str
+    graded_roles: frozenset[str]
+    slot_grouped_roles: frozenset[str]
+    n_problems: int
+    calls: tuple[CallRecord, ...]
+    episodes: tuple[Episode, ...]
+    sampler_calls: int
+
+    def columns(self, role: str | None = None) -> CallColumns:
+        """Flat per-call arrays of every call, or of one role's calls."""
+        return _columns([c for c in self.calls if role is None or c.role == role], self.episodes)
+
+    def transcripts(self) -> list[dict[str, Any]]:
+        """One JSON-able dict per episode: the outcome and every call's chat and response."""
+        return [_transcript(e, [self.calls[i] for i in e.call_ids], self.workflow) for e in self.episodes]
+
+    @staticmethod
+    def concat(parts: Sequence[Rollout]) -> Rollout:
+        """Join rollouts of one workflow over disjoint problem batches; indices are offset."""
+        if not parts:
+            raise ValueError("Rollout.concat needs at least one rollout.")
+        if len({p.workflow for p in parts}) != 1:
+            raise ValueError(f"Rollout.concat: mixed workflows {sorted({p.workflow for p in parts})}.")
+        calls: list[CallRecord] = []
+        episodes: list[Episode] = []
+        n_problems = 0
+        for p in parts:
+            ep0, call0 = len(episodes), len(calls)
+            calls += [dataclasses.replace(c, episode=c.episode + ep0,
+                                          problem_index=c.problem_index + n_problems) for c in p.calls]
+            episodes += [dataclasses.replace(e, id=e.id + ep0, problem_index=e.problem_index + n_problems,
+                                             call_ids=tuple(i + call0 for i in e.call_ids))
+                         for e in p.episodes]
+            n_problems += p.n_problems
+        return Rollout(parts[0].workflow, parts[0].graded_roles, parts[0].slot_grouped_roles, n_problems,
+                       tuple(calls), tuple(episodes), sum(p.sampler_calls for p in parts))
+
+
+class Workflow:
+    """A multi-agent workflow: a pure description of an episode's role calls.
+
+    Subclasses set `name`, `roles`, `graded_roles` (roles whose own output is a complete answer, re-graded
+    for per-role accuracy) and `slot_grouped_roles` (parallel same-role slots that stay separate GRPO
+    groups under the paper preset), and implement `episode`.
+    """
+
+    name: ClassVar[str]
+    roles: ClassVar[tuple[str, ...]]
+    graded_roles: ClassVar[frozenset[str]] = frozenset()
+    slot_grouped_roles: ClassVar[frozenset[str]] = frozenset()
+
+    def episode(self, problem: Problem) -> EpisodeScript:
+        """The episode script: yields stages of `RoleCall`s, receives their texts, returns an `Outcome`."""
+        raise NotImplementedError
+
+    def parse_failed(self, role: str, text: str, kind: str) -> bool:
+        """Whether an output lacks the form its role must produce. Default: an answer (`\\boxed{}` for
+        math, a fenced code block for code); workflows override it for their supervisory roles."""
+        return answer_missing(text, kind)
+
+    def score_calls(self, calls: Sequence[CallRecord], grade: Callable[[str], float]) -> list[float | None]:
+        """Per-call correctness of one episode for metrics; `grade(text)` looks up a precomputed grade
+        (available for the texts of `graded_roles`). Default: graded roles get their grade, others None."""
+        return [grade(c.text) if c.role in self.graded_roles else None for c in calls]
+
+
+def answer_missing(text: str, kind: str) -> bool:
+    """True when an answer text gives the grader nothing: no non-empty final answer (math: the grader's
+    `extract_answer`, i.e. `\\boxed{}`), no program (code)."""
+    if kind == "math":
+        from marljax.tasks.math import extract_answer
+        return not extract_answer(text)
+    if kind == "code":
+        from marljax.tasks.code import extract_code
+        return extract_code(text) is None
+    raise ValueError(f"Unknown problem kind {kind!r}; expected 'math' or 'code'.")
+
+
+def last_boxed(text: str, content: str) -> str | None:
+    """Content of the last `\\boxed{X}` (or `\\boxed{\\text{X}}`) in `text` whose X fully matches the
+    regex `content`, case-insensitive; None if there is none. The one parser of short boxed tokens
+    (aggregator choices, evaluator verdicts)."""
+    pattern = rf"\\boxed\s*\{{\s*(?:\\text\w*\s*\{{\s*({content})\s*\}}|({content}))\s*\}}"
+    matches = list(re.finditer(pattern, text, re.IGNORECASE))
+    if not matches:
+        return None
+    return matches[-1].group(1) or matches[-1].group(2)
+
+
+def stage_seed(seed: int, stage: int, set_name: str) -> int:
+    """A distinct, deterministic 31-bit seed for one (stage, parameter set) sampler call."""
+    words = [seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF, stage, zlib.crc32(set_name.encode())]
+    return int(np.random.SeedSequence(words).generate_state(1)[0]) & 0x7FFFFFFF
+
+
+def rollout(
+    workflow: Workflow,
+    problems: Sequence[Problem],
+    sample_fn: SampleFn,
+    codec: ChatCodec,
+    route: Mapping[str, str],
+    *,
+    n_rollouts: int = 1,
+    seed: int = 0,
+    reward_fn: RewardFn = grade_serially,
+    grade_calls: bool = True,
+) -> Rollout:
+    """Run `n_rollouts` episodes of `workflow` per problem, batched by stage and parameter set.
+
+    Episode `i * n_rollouts + r` is rollout r of problems[i]. Each stage's calls go to `sample_fn` once
+    per set, with `stage_seed(seed, stage, set)`; a call's output depends only on its own prompt (and the
+    sampler's randomness), never on the other episodes. Afterwards `reward_fn` grades, in one call, every
+    episode's final answer and, if `grade_calls`, the outputs of `workflow.graded_roles` (for per-role
+    metrics only; rewards are the final answer's).
+    """
+    missing = [r for r in workflow.roles if r not in route]
+    if missing:
+        raise ValueError(f"route has no parameter set for role(s) {missing} of workflow "
+                         f"{workflow.name!r}; route = {dict(route)}")
+    if n_rollouts < 1:
+        raise ValueError(f"n_rollouts must be >= 1, got {n_rollouts}")
+    owners = [(i, r) for i in range(len(problems)) for r in range(n_rollouts)]
+    scripts = [workflow.episode(problems[i]) for i, _ in owners]
+    pending = {e: _first_stage(s, workflow) for e, s in enumerate(scripts)}
+    calls: list[CallRecord] = []
+    episode_calls: list[list[int]] = [[] for _ in owners]
+    outcomes: dict[int, Outcome] = {}
+    sampler_calls = stage = 0
+    while pending:
+        requests = [(e, c) for e, stage_calls in pending.items() for c in stage_calls]
+        results, n_calls = _run_stage(requests, sample_fn, codec, route, seed, stage)
+        sampler_calls += n_calls
+        texts: dict[int, list[str]] = {e: [] for e in pending}
+        for (e, call), (prompt_ids, sample, text) in zip(requests, results):
+            i, r = owners[e]
+            p = problems[i]
+            episode_calls[e].append(len(calls))
+            calls.append(CallRecord(
+                episode=e, problem_index=i, problem_id=p.id, rollout=r, role=call.role, slot=call.slot,
+                turn=call.turn, stage=stage, set_name=route[call.role], messages=call.messages,
+                prompt_ids=prompt_ids, response_ids=list(sample.tokens), logprobs=list(sample.logprobs),
+                text=text, truncated=bool(sample.truncated),
+                parse_failed=workflow.parse_failed(call.role, text, p.kind)))
+            texts[e].append(text)
+        next_pending = {}
+        for e, outs in texts.items():
+            try:
+                next_pending[e] = _checked_stage(scripts[e].send(outs), workflow)
+            except StopIteration as stop:
+                outcomes[e] = _checked_outcome(stop.value, workflow)
+        pending = next_pending
+        stage += 1
+    return _grade(workflow, problems, owners, calls, episode_calls, outcomes, sampler_calls,
+                  reward_fn, grade_calls)
+
+
+def _first_stage(script: EpisodeScript, workflow: Workflow) -> list[RoleCall]:
+    try:
+        return _checked_stage(next(script), workflow)
+    except StopIteration:
+        raise ValueError(f"Workflow {workflow.name!r} ended an episode without any role call.") from None
+
+
+def _checked_stage(stage: list[RoleCall], workflow: Workflow) -> list[RoleCall]:
+    if not stage:
+        raise ValueError(f"Workflow {workflow.name!r} yielded an empty stage.")
+    bad = [c.role for c in stage if c.role not in workflow.roles]
+    if bad:
+        raise ValueError(f"Workflow {workflow.name!r} called undeclared role(s) {bad}; roles = {workflow.roles}")
+    return stage
+
+
+def _checked_outcome(outcome: Any, workflow: Workflow) -> Outcome:
+    if not isinstance(outcome, Outcome):
+        raise TypeError(f"Workflow {workflow.name!r} episode returned {type(outcome).__name__}, not Outcome.")
+    return outcome
+
+
+def _run_stage(requests, sample_fn, codec, route, seed, stage):
+    """Sample every call of a stage: one `sample_fn` call per parameter set. Returns, per request,
+    (prompt ids, sample, decoded text), and the number of sampler calls made."""
+    results: list[Any] = [None] * len(requests)
+    set_names = sorted({route[c.role] for _, c in requests})
+    for set_name in set_names:
+        idx = [k for k, (_, c) in enumerate(requests) if route[c.role] == set_name]
+        prompts = [codec.render([dict(m) for m in requests[k][1].messages]) for k in idx]
+        samples = sample_fn(set_name, prompts, stage_seed(seed, stage, set_name))
+        if len(samples) != len(prompts):
+            raise ValueError(f"sample_fn({set_name!r}) returned {len(samples)} samples for {len(prompts)} prompts.")
+        for k, prompt, s in zip(idx, prompts, samples):
+            if len(s.tokens) != len(s.logprobs):
+                raise ValueError(f"sample_fn({set_name!r}) returned {len(s.tokens)} tokens but "
+                                 f"{len(s.logprobs)} logprobs for one sample.")
+            results[k] = (list(prompt), s, codec.decode(list(s.tokens)))
+    return results, len(set_names)
+
+
+def _grade(workflow, problems, owners, calls, episode_calls, outcomes, sampler_calls, reward_fn, grade_calls):
+    """One batched `reward_fn` call over the distinct (problem, text) pairs: final answers and, if asked,
+    the outputs of graded roles. Fills episode rewards and per-call correctness."""
+    wanted = {(owners[e][0], o.final): None for e, o in outcomes.items()}
+    if grade_calls:
+        wanted.update({(c.problem_index, c.text): None for c in calls if c.role in workflow.graded_roles})
+    keys = list(wanted)
+    scores = reward_fn([problems[i] for i, _ in keys], [t for _, t in keys])
+    if len(scores) != len(keys):
+        raise ValueError(f"reward_fn returned {len(scores)} rewards for {len(keys)} texts.")
+    grades = {k: float(s) for k, s in zip(keys, scores)}
+    calls = list(calls)
+    episodes = []
+    for e, (i, r) in enumerate(owners):
+        if grade_calls:
+            ep_calls = [calls[k] for k in episode_calls[e]]
+            correct = workflow.score_calls(ep_calls, lambda text, i=i: grades[(i, text)])
+            for k, c in zip(episode_calls[e], correct):
+                calls[k] = dataclasses.replace(calls[k], correct=c)
+        o = outcomes[e]
+        episodes.append(Episode(id=e, problem_index=i, problem_id=problems[i].id, rollout=r, final=o.final,
+                                reward=grades[(i, o.final)], info=o.info, call_ids=tuple(episode_calls[e])))
+    return Rollout(workflow.name, frozenset(workflow.graded_roles), frozenset(workflow.slot_grouped_roles),
+                   len(problems), tuple(calls), tuple(episodes), sampler_calls)
+
+
+def _columns(calls: list[CallRecord], episodes: Sequence[Episode]) -> CallColumns:
+    def ints(field: str) -> np.ndarray:
+        return np.asarray([getattr(c, field) for c in calls], np.int32)
+
+    def strs(field: str) -> np.ndarray:
+        return np.asarray([getattr(c, field) for c in calls], np.str_)
+
+    return CallColumns(
+        role=strs("role"), set_name=strs("set_name"),
+        prompt_ids=[np.asarray(c.prompt_ids, np.int32) for c in calls],
+        response_ids=[np.asarray(c.response_ids, np.int32) for c in calls],
+        logprobs=[np.asarray(c.logprobs, np.float32) for c in calls],
+        episode=ints("episode"), problem_index=ints("problem_index"), problem_id=strs("problem_id"),
+        rollout=ints("rollout"), slot=ints("slot"), turn=ints("turn"),
+        reward=np.asarray([episodes[c.episode].reward for c in calls], np.float32),
+        correct=np.asarray([np.nan if c.correct is None else c.correct for c in calls], np.float32),
+        truncated=np.asarray([c.truncated for c in calls], bool),
+        parse_failed=np.asarray([c.parse_failed for c in calls], bool),
+    )
+
+
+def _transcript(e: Episode, calls: list[CallRecord], workflow: str) -> dict[str, Any]:
+    return {
+        "workflow": workflow, "episode": e.id, "problem_id": e.problem_id, "rollout": e.rollout,
+        "reward": e.reward, "final": e.final, "info": e.info,
+        "calls": [{"role": c.role, "slot": c.slot, "turn": c.turn, "stage": c.stage, "set": c.set_name,
+                   "messages": [dict(m) for m in c.messages], "response": c.text,
+                   "response_tokens": len(c.response_ids), "truncated": c.truncated,
+                   "parse_failed": c.parse_failed, "correct": c.correct} for c in calls],
+    }

@@ -1,0 +1,136 @@
+"""Prompt sets for math and code, in our own wording, with the paper's structure and answer formats.
+
+Templates are `str.format` strings (literal braces doubled). Placeholders: `{problem}`; `{solutions}`
+(see `format_solutions`) and `{n}` for the aggregator; `{max_subtasks}` for the orchestrator;
+`{strategy}` for a worker. `evaluate` and `refine` are plain text, used verbatim as the last user turn
+of Eval-Opt's shared chat.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSet:
+    solve: str  # generator (single, Eval-Opt first turn, voters); also a worker without a strategy
+    evaluate: str  # evaluator: verdict \boxed{Correct} / \boxed{Incorrect}
+    refine: str  # generator after a verdict that was not Correct
+    aggregate: str  # aggregator: \boxed{i}
+    propose: str  # orchestrator: STRATEGY k: lines
+    work: str  # worker with an assigned strategy
+    synthesize: str  # synthesizer: final answer
+
+
+MATH = PromptSet(
+    solve=(
+        "Solve the following math problem. Work through it step by step and write the final answer "
+        "inside \\boxed{{}}.\n\nProblem: {problem}"
+    ),
+    evaluate=(
+        "Check the solution above and decide whether it is correct.\n\n"
+        "- Finish with your verdict, exactly \\boxed{Correct} or \\boxed{Incorrect}.\n"
+        "- If it is incorrect, say briefly where it goes wrong.\n"
+        "- Do not state the correct answer."
+    ),
+    refine=(
+        "Write a new solution to the problem that takes the reviewer's feedback above into account.\n\n"
+        "- Use a different method from your previous attempt.\n"
+        "- Fix the issues the feedback points out.\n"
+        "- Write the final answer inside \\boxed{}."
+    ),
+    aggregate=(
+        "Below are several candidate solutions to the same math problem. Decide which one is most "
+        "likely correct.\n\nProblem: {problem}\n\nCandidate solutions:{solutions}\n\n"
+        "Check the reasoning and the final answer of each candidate, then give the number of the best "
+        "one as \\boxed{{i}} with i between 1 and {n}."
+    ),
+    propose=(
+        "Plan, do not solve. Propose at most {max_subtasks} different strategies for the math problem "
+        "below, each a distinct mathematical approach (for example algebraic manipulation, casework, a "
+        "geometric argument, a counting argument).\n\nProblem: {problem}\n\n"
+        "Describe each approach in a sentence or two; do not carry it out and do not give the answer. "
+        "Use exactly this format:\nSTRATEGY 1: <approach>\nSTRATEGY 2: <approach>\n"
+        "and so on, with no more than {max_subtasks} strategies."
+    ),
+    work=(
+        "Solve the math problem below using the strategy you are given.\n\nProblem: {problem}\n\n"
+        "Strategy: {strategy}\n\nMake the strategy your main approach, solve the whole problem step by "
+        "step, and write the final answer inside \\boxed{{}}."
+    ),
+    synthesize=(
+        "Several solvers each attempted the same math problem with a different strategy. Compare their "
+        "complete solutions and decide the correct answer.\n\nProblem: {problem}\n\n"
+        "Solutions:{solutions}\n\nCheck the reasoning of each solution. An answer that several solutions "
+        "reach independently deserves more trust; where they disagree, decide whose reasoning holds. "
+        "Write the final answer inside \\boxed{{}}."
+    ),
+)
+
+CODE = PromptSet(
+    solve=(
+        "You are an expert competitive programmer. Solve the programming problem below in Python.\n\n"
+        "Problem:\n{problem}\n\nWrite clean, efficient code that handles the edge cases, and give one "
+        "complete, runnable program in a single ```python code block."
+    ),
+    evaluate=(
+        "Review the program above for correctness without running it: is the algorithm right, are the "
+        "edge cases handled, are there bugs, is it fast enough for the constraints?\n\n"
+        "- Finish with your verdict, exactly \\boxed{Correct} or \\boxed{Incorrect}.\n"
+        "- If it is incorrect, say briefly what is wrong.\n"
+        "- Do not write the corrected program."
+    ),
+    refine=(
+        "Write an improved program that takes the reviewer's feedback above into account.\n\n"
+        "- Fix the issues the review points out; change the approach if the old one is flawed.\n"
+        "- Handle the edge cases.\n"
+        "- Give one complete, runnable program in a single ```python code block."
+    ),
+    aggregate=(
+        "Below are several candidate programs for the same problem. Decide which one is most likely to "
+        "pass all tests.\n\nProblem:\n{problem}\n\nCandidate solutions:{solutions}\n\n"
+        "Check each candidate's logic, edge cases and efficiency, then give the number of the best one "
+        "as \\boxed{{i}} with i between 1 and {n}."
+    ),
+    propose=(
+        "Plan, do not solve. Propose at most {max_subtasks} different strategies for the programming "
+        "problem below, each a distinct algorithmic approach (for example greedy, dynamic programming, "
+        "brute force with pruning, divide and conquer).\n\nProblem:\n{problem}\n\n"
+        "Describe each approach in a sentence or two; do not write code. Use exactly this format:\n"
+        "STRATEGY 1: <approach>\nSTRATEGY 2: <approach>\n"
+        "and so on, with no more than {max_subtasks} strategies."
+    ),
+    work=(
+        "You are an expert competitive programmer. Solve the problem below in Python using the strategy "
+        "you are given.\n\nProblem:\n{problem}\n\nStrategy: {strategy}\n\nMake the strategy your main "
+        "approach, handle the edge cases, and give one complete, runnable program in a single ```python "
+        "code block."
+    ),
+    synthesize=(
+        "Several programmers each attempted the same problem with a different strategy. Compare their "
+        "complete solutions and produce the best program.\n\nProblem:\n{problem}\n\n"
+        "Solutions:{solutions}\n\nCheck the logic, edge cases and efficiency of each. Finish with one "
+        "complete, runnable Python program in a single ```python code block."
+    ),
+)
+
+PROMPTS = {"math": MATH, "code": CODE}
+
+
+def prompt_set(kind: str) -> PromptSet:
+    """The prompt set for a problem kind ("math" | "code")."""
+    if kind not in PROMPTS:
+        raise ValueError(f"No prompt set for problem kind {kind!r}; known: {sorted(PROMPTS)}")
+    return PROMPTS[kind]
+
+
+def format_solutions(texts: Sequence[str], strategies: Sequence[str | None] | None = None) -> str:
+    """Numbered candidate blocks: `--- Solution i ---` or, with a strategy, `--- Solution i (Strategy: s) ---`."""
+    strategies = strategies if strategies is not None else [None] * len(texts)
+    if len(strategies) != len(texts):
+        raise ValueError(f"{len(texts)} solutions but {len(strategies)} strategies.")
+    blocks = []
+    for i, (text, strategy) in enumerate(zip(texts, strategies), 1):
+        header = f"--- Solution {i} ---" if strategy is None else f"--- Solution {i} (Strategy: {strategy}) ---"
+        blocks.append(f"\n{header}\n{text}\n")
+    return "".join(blocks)

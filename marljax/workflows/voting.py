@@ -1,0 +1,60 @@
+"""Voting: `n_votes` generators solve from the identical prompt; an aggregator picks one by `\\boxed{i}`.
+
+All voters are role `generator` (one parameter set) with slots 0..n_votes-1, and each slot is its own
+GRPO group under the paper preset. The reward is the chosen candidate's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from marljax.tasks.data import Problem
+from marljax.workflows.base import AGGREGATOR, GENERATOR, EpisodeScript, Outcome, RoleCall, Workflow, last_boxed, user
+from marljax.workflows.prompts import format_solutions, prompt_set
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    index: int  # 1-based candidate number
+    source: str  # "boxed" | "digit" (first standalone digit 1-9) | "default" (candidate 1)
+
+
+def parse_choice(text: str, n: int) -> Choice:
+    """The aggregator's pick among n candidates: the last `\\boxed{i}` with 1 <= i <= n; else the first
+    standalone digit 1-9 if it names a candidate; else candidate 1."""
+    boxed = last_boxed(text, r"\d+")
+    if boxed is not None and 1 <= int(boxed) <= n:
+        return Choice(int(boxed), "boxed")
+    digit = re.search(r"\b[1-9]\b", text)
+    if digit is not None and int(digit.group()) <= n:
+        return Choice(int(digit.group()), "digit")
+    return Choice(1, "default")
+
+
+@dataclasses.dataclass(frozen=True)
+class Voting(Workflow):
+    n_votes: int = 3
+
+    name = "voting"
+    roles = (GENERATOR, AGGREGATOR)
+    graded_roles = frozenset({GENERATOR})
+    slot_grouped_roles = frozenset({GENERATOR})
+
+    def __post_init__(self):
+        if self.n_votes < 1:
+            raise ValueError(f"n_votes must be >= 1, got {self.n_votes}")
+
+    def episode(self, problem: Problem) -> EpisodeScript:
+        prompts = prompt_set(problem.kind)
+        solve = (user(prompts.solve.format(problem=problem.question)),)
+        candidates = yield [RoleCall(GENERATOR, slot, 0, solve) for slot in range(self.n_votes)]
+        pick = prompts.aggregate.format(problem=problem.question, solutions=format_solutions(candidates),
+                                        n=self.n_votes)
+        [verdict] = yield [RoleCall(AGGREGATOR, 0, 0, (user(pick),))]
+        choice = parse_choice(verdict, self.n_votes)
+        return Outcome(candidates[choice.index - 1], {"choice": choice.index, "choice_source": choice.source})
+
+    def parse_failed(self, role: str, text: str, kind: str) -> bool:
+        if role == AGGREGATOR:
+            return parse_choice(text, self.n_votes).source != "boxed"
+        return super().parse_failed(role, text, kind)

@@ -1,0 +1,157 @@
+"""The jitted RL step: role-gradient algebra, isolation, amplification and its mitigation, guards."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from marljax.models.decoder import Decoder, ModelConfig
+from marljax.rl.lora import LoRAConfig, init_lora
+from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, minibatches, pack, train_batch
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8)
+LORA = LoRAConfig(rank=4, alpha=8)
+LR = 1e-3
+
+
+def _model():
+    return Decoder(CFG, rngs=nnx.Rngs(0))
+
+
+def _adapter(seed):
+    ad = init_lora(CFG, LORA, jax.random.key(seed))
+    # non-zero B so gradients w.r.t. A are non-zero too
+    return jax.tree.map(lambda x: x + 0.02 * jax.random.normal(jax.random.key(seed + 7), x.shape), ad)
+
+
+def _samples(role, n, seed):
+    rng = np.random.default_rng(seed)
+    return [Sample(role, list(rng.integers(1, 64, rng.integers(3, 9))), list(rng.integers(1, 64, rng.integers(1, 7))),
+                   float(rng.normal())) for _ in range(n)]
+
+
+def _rel(a, b):
+    num = optax.tree.norm(jax.tree.map(jnp.subtract, a, b))
+    return float(num / optax.tree.norm(b))
+
+
+def _delta(new, old):
+    return float(optax.tree.norm(jax.tree.map(jnp.subtract, new, old)))
+
+
+def _reference_update(opt, params, grad):
+    state = opt.init(params)
+    state[1].hyperparams["learning_rate"] = jnp.float32(LR)
+    upd, _ = opt.update(grad, state, params)
+    return optax.apply_updates(params, upd)
+
+
+def test_shared_count_weighting_equals_mixed_batch_gradient():
+    """Σ_r w_r g_r under `count` is the gradient of the plain mixed-batch loss: same update (≤ 1e-5 rel)."""
+    model, opt = _model(), make_optimizer()
+    samples = _samples("generator", 6, 0) + _samples("aggregator", 2, 1)
+    cfg = StepConfig(route=(("generator", "s"), ("aggregator", "s")), lora_scale=LORA.scale, minibatch="balanced")
+    tr = Trainer(model, cfg, opt)
+    ad = _adapter(1)
+    ad_copy = jax.tree.map(jnp.array, ad)
+    mixed = pack(samples)
+    g_mixed = jax.grad(lambda t: tr.role_loss(t, mixed, "any", False)[0])(ad_copy)
+    expected = _reference_update(opt, ad_copy, g_mixed)
+    new, _, _, m = train_batch(tr, {"s": ad}, {"s": opt.init(ad)}, {}, samples, LR)
+    assert m["role/generator/weight"] == pytest.approx(6 / 8)
+    assert m["role/aggregator/weight"] == pytest.approx(2 / 8)
+    assert _rel(new["s"], expected) <= 1e-5
+    assert m["role/generator/grad_share"] + m["role/aggregator/grad_share"] == pytest.approx(1.0, abs=1e-6)
+    assert -1.0 <= m["cos/aggregator/generator"] <= 1.0
+
+
+def test_isolated_sets_each_take_only_their_roles_gradient():
+    model, opt = _model(), make_optimizer()
+    gen, agg = _samples("generator", 5, 2), _samples("aggregator", 3, 3)
+    cfg = StepConfig(route=(("generator", "generator"), ("aggregator", "aggregator")), lora_scale=LORA.scale,
+                     minibatch="balanced")
+    tr = Trainer(model, cfg, opt)
+    params = {"generator": _adapter(1), "aggregator": _adapter(2)}
+    copies = jax.tree.map(jnp.array, params)
+    new, _, _, m = train_batch(tr, params, {k: opt.init(v) for k, v in params.items()}, {}, gen + agg, LR)
+    for role, own in (("generator", gen), ("aggregator", agg)):
+        b = pack(own)
+        g = jax.grad(lambda t: tr.role_loss(t, b, role, False)[0])(copies[role])
+        assert _rel(new[role], _reference_update(opt, copies[role], g)) <= 1e-5
+        assert m[f"role/{role}/grad_share"] == pytest.approx(1.0)
+        assert m[f"set/{role}/opt_steps"] == 1
+
+
+def _voting_update(n_voters, same_role_scale, episodes=4):
+    """Isolated Voting-like batch: n identical-prompt voters (same samples, same advantages) + aggregator."""
+    model, opt = _model(), make_optimizer()
+    base = _samples("generator", episodes, 11)
+    voters = [s for _ in range(n_voters) for s in base]
+    agg = _samples("aggregator", episodes, 12)
+    cfg = StepConfig(route=(("generator", "gen"), ("aggregator", "agg")), lora_scale=LORA.scale,
+                     minibatch="paper", minibatch_size=episodes,
+                     role_scale=(("generator", 1.0 / n_voters),) if same_role_scale else ())
+    tr = Trainer(model, cfg, opt)
+    params = {"gen": _adapter(1), "agg": _adapter(2)}
+    before = jax.tree.map(jnp.array, params)
+    new, _, _, m = train_batch(tr, params, {k: opt.init(v) for k, v in params.items()}, {}, voters + agg, LR)
+    return _delta(new["gen"], before["gen"]), m["set/gen/opt_steps"], m["set/agg/opt_steps"]
+
+
+def test_same_role_amplification_and_its_mitigation():
+    """Paper mini-batching: N voters → N optimizer steps and a growing update; same_role_scale removes it."""
+    results = {n: _voting_update(n, False) for n in (1, 2, 4)}
+    assert [results[n][1] for n in (1, 2, 4)] == [1, 2, 4]
+    assert all(results[n][2] == 1 for n in (1, 2, 4))
+    norms = [results[n][0] for n in (1, 2, 4)]
+    assert norms[1] > 1.5 * norms[0] and norms[2] > 1.5 * norms[1], norms
+    scaled = {n: _voting_update(n, True) for n in (2, 4)}
+    for n in (2, 4):
+        assert scaled[n][1] == 1
+        assert scaled[n][0] == pytest.approx(norms[0], rel=1e-4)
+
+
+def test_inverse_norm_gives_equal_mass_and_damping_reduces_coherent_role():
+    model, opt = _model(), make_optimizer()
+    samples = _samples("generator", 6, 4) + _samples("aggregator", 2, 5)
+    route = (("generator", "s"), ("aggregator", "s"))
+    tr = Trainer(model, StepConfig(route=route, lora_scale=LORA.scale, minibatch="balanced",
+                                   role_weighting="inverse_norm"), opt)
+    ad = _adapter(3)
+    _, _, _, m = train_batch(tr, {"s": ad}, {"s": opt.init(ad)}, {}, samples, LR)
+    assert m["role/generator/grad_mass"] == pytest.approx(m["role/aggregator/grad_mass"], rel=1e-5)
+
+    tr = Trainer(model, StepConfig(route=route, lora_scale=LORA.scale, minibatch="balanced", damping_lambda=0.3),
+                 opt)
+    ad = _adapter(3)
+    ema = {r: jax.tree.map(jnp.zeros_like, ad) for r in ("generator", "aggregator")}
+    params, states = {"s": ad}, {"s": opt.init(ad)}
+    params, states, ema, m1 = train_batch(tr, params, states, ema, samples, LR)
+    assert m1["role/generator/damping"] == pytest.approx(1.0)  # EMA starts at 0: no coherence yet
+    _, _, _, m2 = train_batch(tr, params, states, ema, samples, LR)  # same batch again: cos(g, EMA) ≈ 1
+    assert 0.7 <= m2["role/generator/damping"] < 0.75
+
+
+def test_nonfinite_advantage_skips_the_update():
+    model, opt = _model(), make_optimizer()
+    samples = _samples("generator", 4, 6)
+    samples[0].advantage = float("nan")
+    tr = Trainer(model, StepConfig(route=(("generator", "g"),), lora_scale=LORA.scale, minibatch="balanced"), opt)
+    ad = _adapter(4)
+    before = jax.tree.map(jnp.array, ad)
+    new, _, _, m = train_batch(tr, {"g": ad}, {"g": opt.init(ad)}, {}, samples, LR)
+    assert m["set/g/nonfinite"] == 1.0
+    assert _delta(new["g"], before) == 0.0
+
+
+def test_minibatches_paper_vs_balanced():
+    samples = _samples("generator", 12, 7) + _samples("aggregator", 4, 8)
+    route = (("generator", "g"), ("aggregator", "a"))
+    paper = minibatches(samples, StepConfig(route=route, minibatch="paper", minibatch_size=4))
+    assert len(paper) == 3
+    assert [len(mb.get("generator", [])) for mb in paper] == [4, 4, 4]
+    assert [len(mb.get("aggregator", [])) for mb in paper] == [4, 0, 0]
+    balanced = minibatches(samples, StepConfig(route=route, minibatch="balanced", minibatch_size=4))
+    assert len(balanced) == 1 and len(balanced[0]["generator"]) == 12
