@@ -1,0 +1,118 @@
+"""Sampler throughput: marljax vs transformers `generate` (torch CPU), SmolLM2-135M, greedy.
+
+64-token prompts, 64 new tokens (no early stop), batch 1, 16 and 64. The two engines alternate run by
+run (the machine drifts ±30%); each figure is the median of `--repeats` runs. Prefill is timed as a
+1-new-token generation, decode as the rest. The roof is this machine's XLA fp32 matmul rate, measured
+in the same run; FLOPs per token ≈ 2 × (parameters used per token) + attention.
+
+    python bench/sampler.py [--batches 1 16 64] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marljax.models import load_model
+from marljax.models.loading import smollm2_gguf_path
+from marljax.sampling import SamplingParams, generate
+
+PROMPT, NEW = 64, 64
+
+
+def matmul_gflops(n=1024, reps=10) -> float:
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    t = time.perf_counter()
+    for _ in range(reps):
+        f(a).block_until_ready()
+    return 2 * n ** 3 * reps / (time.perf_counter() - t) / 1e9
+
+
+def flops_per_token(cfg, context: int) -> float:
+    per_layer = 0
+    for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        i, o = cfg.linear_shape(name)
+        per_layer += int(np.prod(i)) * int(np.prod(o))
+    dense = cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size
+    attn = cfg.num_layers * 2 * cfg.num_heads * cfg.head_dim * context
+    return 2.0 * (dense + attn)
+
+
+def run_ours(model, prompts, new):
+    sp = SamplingParams(max_new_tokens=new, temperature=0.0)
+    t = time.perf_counter()
+    out = generate(model, prompts, sp)
+    assert all(len(x) == new for x in out.tokens)
+    return time.perf_counter() - t
+
+
+def run_hf(hf, prompts, new):
+    import torch
+    ids = torch.tensor(prompts)
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, pad_token_id=0)
+    assert out.shape[1] == ids.shape[1] + new
+    return time.perf_counter() - t
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(os.cpu_count())
+    gguf = smollm2_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32)
+    hf.eval()
+    model = load_model("smollm2-135m-instruct")
+    cfg = model.config
+    roof = matmul_gflops()
+    print(f"# {time.strftime('%Y-%m-%d')} {platform.node()} {os.cpu_count()} cores; jax {jax.__version__}, "
+          f"torch {torch.__version__}; XLA fp32 matmul roof {roof:.1f} GFLOP/s")
+    print("| batch | engine | prefill tok/s | decode tok/s | end-to-end new tok/s | decode % of roof | "
+          "prefill % of roof |")
+    print("|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    ratios = {}
+    for b in args.batches:
+        prompts = rng.integers(100, cfg.vocab_size - 100, (b, PROMPT)).tolist()
+        for fn, m in ((run_ours, model), (run_hf, hf)):  # warm-up / compile
+            fn(m, prompts, 1), fn(m, prompts, NEW)
+        times = {"marljax": {"pre": [], "full": []}, "hf": {"pre": [], "full": []}}
+        for _ in range(args.repeats):
+            for name, fn, m in (("marljax", run_ours, model), ("hf", run_hf, hf)):
+                times[name]["pre"].append(fn(m, prompts, 1))
+                times[name]["full"].append(fn(m, prompts, NEW))
+        e2e = {}
+        for name in ("marljax", "hf"):
+            pre = statistics.median(times[name]["pre"])
+            full = statistics.median(times[name]["full"])
+            dec = max(full - pre, 1e-9)
+            pre_tps, dec_tps = b * PROMPT / pre, b * (NEW - 1) / dec
+            e2e[name] = b * NEW / full
+            dec_frac = dec_tps * flops_per_token(cfg, PROMPT + NEW // 2) / 1e9 / roof
+            pre_frac = pre_tps * flops_per_token(cfg, PROMPT // 2) / 1e9 / roof
+            print(f"| {b} | {name} | {pre_tps:.0f} | {dec_tps:.1f} | {e2e[name]:.1f} | {100 * dec_frac:.0f}% | "
+                  f"{100 * pre_frac:.0f}% |")
+        ratios[b] = e2e["marljax"] / e2e["hf"]
+    for b, r in ratios.items():
+        print(f"batch {b}: marljax / HF end-to-end = {r:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
