@@ -19,6 +19,7 @@ import yaml
 class TaskSection:
     name: str = "arith"
     path: str | None = None  # file-backed tasks: a local file or dir (see marljax.tasks.data)
+    split_seed: int = 42  # the train/held-out split (the paper: 90/10, seed 42)
     train_size: int | None = None  # cap on training problems (None = all)
     eval_n: int = 100  # held-out problems per evaluation
     options: dict = dataclasses.field(default_factory=dict)  # task-specific knobs (e.g. arith digits)
@@ -148,6 +149,11 @@ def _check_type(path: str, value: Any, hint: Any) -> Any:
         raise ConfigError(f"{path}={value!r}: expected {hint}, got {type(value).__name__}.")
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if hint in (int, float, str, bool, dict, list):
         if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
             return value

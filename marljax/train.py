@@ -77,9 +77,9 @@ class Run:
         self.model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed)
         self.codec = ChatCodec(load_tokenizer(cfg.model))
         opts = dict(cfg.task.options)
-        self.train_problems = load_task(cfg.task.name, path=cfg.task.path, split="train", seed=cfg.seed,
+        self.train_problems = load_task(cfg.task.name, path=cfg.task.path, split="train", seed=cfg.task.split_seed,
                                         limit=cfg.task.train_size, **opts)
-        self.eval_problems = load_task(cfg.task.name, path=cfg.task.path, split="test", seed=cfg.seed,
+        self.eval_problems = load_task(cfg.task.name, path=cfg.task.path, split="test", seed=cfg.task.split_seed,
                                        limit=cfg.task.eval_n, **opts)
         if not self.train_problems:
             raise ConfigError(f"task {cfg.task.name!r} gave no training problems.")
