@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from marljax.sharding import constrain
+
 # Linear maps of one layer: name -> (input logical axes, output logical axes).
 LINEAR_AXES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "wq": (("embed",), ("heads", "head_dim")),
@@ -159,7 +161,8 @@ class Decoder(nnx.Module):
         c = self.config
         h = rms_norm(h_btd, self.final_norm[...], c.rms_norm_eps)
         w = self.embed[...].T if c.tie_embeddings else self.lm_head[...]
-        return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", *("length",) * (logits.ndim - 2), "act_vocab"))
 
     def hidden(self, tokens_bt, positions_bt=None, *, cache=None, lora=None, lora_scale=1.0,
                kv_mask_bs=None):
@@ -174,7 +177,7 @@ class Decoder(nnx.Module):
         B, T = tokens_bt.shape
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        x = jnp.take(self.embed[...], tokens_bt, axis=0)
+        x = constrain(jnp.take(self.embed[...], tokens_bt, axis=0), ("batch", "length", "act_embed"))
         layer_params = {k: v[...] for k, v in self.layers.items()}
         if cache is None:
             key_pos_bs = positions_bt
@@ -188,9 +191,9 @@ class Decoder(nnx.Module):
         def block(x, xs):
             p, lora_l, cache_l = xs
             h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
-            q = linear(h, p["wq"], "wq", lora_l, lora_scale, 1)
-            k = linear(h, p["wk"], "wk", lora_l, lora_scale, 1)
-            v = linear(h, p["wv"], "wv", lora_l, lora_scale, 1)
+            q = constrain(linear(h, p["wq"], "wq", lora_l, lora_scale, 1), _HEADS)
+            k = constrain(linear(h, p["wk"], "wk", lora_l, lora_scale, 1), _KV_HEADS)
+            v = constrain(linear(h, p["wv"], "wv", lora_l, lora_scale, 1), _KV_HEADS)
             if c.qk_norm:
                 q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
                 k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
@@ -202,16 +205,21 @@ class Decoder(nnx.Module):
                     buf, new.astype(buf.dtype), s, axis=0))
                 cache_l = {"k": write(cache_l["k"], k, start_b), "v": write(cache_l["v"], v, start_b)}
                 k, v = cache_l["k"], cache_l["v"]
-            attn = attention(q, k, v, mask_bts)
+            attn = constrain(attention(q, k, v, mask_bts), _HEADS)
             x = x + linear(attn, p["wo"], "wo", lora_l, lora_scale, 2)
             h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
             gate = linear(h, p["w_gate"], "w_gate", lora_l, lora_scale, 1)
             up = linear(h, p["w_up"], "w_up", lora_l, lora_scale, 1)
-            x = x + linear(jax.nn.silu(gate) * up, p["w_down"], "w_down", lora_l, lora_scale, 1)
-            return x, cache_l
+            act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+            x = x + linear(act, p["w_down"], "w_down", lora_l, lora_scale, 1)
+            return constrain(x, ("batch", "length", "act_embed")), cache_l
 
         x, new_cache = jax.lax.scan(block, x, (layer_params, lora, cache))
         return x, new_cache
+
+
+_HEADS = ("batch", "length", "act_heads", "head_dim")
+_KV_HEADS = ("batch", "length", "act_kv_heads", "head_dim")
 
 
 def attention(q_bthd, k_bskd, v_bskd, mask_bts):
@@ -229,7 +237,8 @@ def attention(q_bthd, k_bskd, v_bskd, mask_bts):
 
 
 def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> dict[str, Any]:
-    """Zeroed KV cache {"k","v": [layers, batch, length, kv_heads, head_dim]}."""
+    """Zeroed KV cache {"k","v": [layers, batch, length, kv_heads, head_dim]} (sharded on a mesh)."""
     shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
     dt = dtype or config.jnp_dtype
-    return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
+    axes = ("layers", "batch", "length", "act_kv_heads", "head_dim")
+    return {"k": constrain(jnp.zeros(shape, dt), axes), "v": constrain(jnp.zeros(shape, dt), axes)}
