@@ -1,0 +1,16 @@
+"""Test-session settings: faster XLA compiles and a shared on-disk compilation cache.
+
+Tests compile many small programs, so compile time dominates the suite on a 2-core CI machine. The flags
+below trade generated-code speed for compile speed; they are set in the environment so the
+subprocesses that tests start (train CLI, multi-device checks) inherit them. Every comparison in the suite
+is either against a reference with a stated tolerance or between two runs under the same flags.
+"""
+import os
+import tempfile
+
+_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "marljax-test-jax-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
