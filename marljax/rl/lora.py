@@ -29,6 +29,7 @@ class LoRAConfig:
     rank: int = 64
     alpha: float = 32.0
     targets: tuple[str, ...] = ALL_LINEAR
+    layers: int | None = None  # adapt only the last n layers (None: all); the rest need no backward
 
     def __post_init__(self):
         unknown = sorted(set(self.targets) - set(ALL_LINEAR))
@@ -37,6 +38,8 @@ class LoRAConfig:
                              " (or 'all-linear').")
         if self.rank < 1:
             raise ValueError(f"lora.rank={self.rank} must be ≥ 1.")
+        if self.layers is not None and self.layers < 1:
+            raise ValueError(f"lora.layers={self.layers} must be ≥ 1 (or null for all layers).")
 
     @property
     def scale(self) -> float:
@@ -45,20 +48,22 @@ class LoRAConfig:
 
 def init_lora(config: ModelConfig, lora: LoRAConfig, key: jax.Array, dtype=jnp.float32) -> dict:
     """Fresh adapters: A ~ N(0, 1/fan_in), B = 0, so the adapted model starts equal to the base."""
+    n = config.num_layers if lora.layers is None else lora.layers
+    if n > config.num_layers:
+        raise ValueError(f"lora.layers={n} exceeds the model's {config.num_layers} layers.")
     out = {}
     for i, name in enumerate(lora.targets):
         in_dims, out_dims = config.linear_shape(name)
         fan_in = 1
         for d in in_dims:
             fan_in *= d
-        a = jax.random.normal(jax.random.fold_in(key, i), (config.num_layers, *in_dims, lora.rank), dtype)
-        out[name] = {"a": a * fan_in ** -0.5,
-                     "b": jnp.zeros((config.num_layers, lora.rank, *out_dims), dtype)}
+        a = jax.random.normal(jax.random.fold_in(key, i), (n, *in_dims, lora.rank), dtype)
+        out[name] = {"a": a * fan_in ** -0.5, "b": jnp.zeros((n, lora.rank, *out_dims), dtype)}
     return out
 
 
 def lora_delta(adapter: dict, scale: float) -> dict:
-    """scale · A B per target, shaped like the base weight [L, *in, *out]."""
+    """scale · A B per target, shaped like the adapted layers' weights [n, *in, *out]."""
     deltas = {}
     for name, ab in adapter.items():
         a, b = ab["a"], ab["b"]
@@ -74,5 +79,19 @@ def merged_model(model: Decoder, adapter: dict, scale: float) -> Decoder:
     merged = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
     for name, delta in lora_delta(adapter, scale).items():
         w = merged.layers[name]
-        w[...] = (w[...].astype(jnp.float32) + delta).astype(w[...].dtype)
+        split = w.shape[0] - delta.shape[0]  # adapters cover the last layers
+        w[...] = w[...].at[split:].set((w[...][split:].astype(jnp.float32) + delta).astype(w.dtype))
     return merged
+
+
+def export_merged(model: Decoder, adapters: dict[str, dict], scale: float, out_dir, tokenizer=None) -> dict:
+    """Write each parameter set, merged into the base, as an HF safetensors checkpoint out_dir/<set>."""
+    import pathlib
+
+    from marljax.models.loading import save_hf
+    paths = {}
+    for set_name, adapter in adapters.items():
+        path = pathlib.Path(out_dir) / set_name
+        save_hf(merged_model(model, adapter, scale), path, tokenizer=tokenizer)
+        paths[set_name] = path
+    return paths
