@@ -39,6 +39,7 @@ class SamplingSection:
     temperature: float = 0.7
     top_p: float = 1.0
     top_k: int = 0
+    max_cache_tokens: int = 0  # cap on batch × KV length per sampler call (0 = one call per stage)
 
 
 @dataclasses.dataclass
@@ -79,6 +80,7 @@ class LoRASection:
     rank: int = 64
     alpha: float = 32.0
     targets: list = dataclasses.field(default_factory=lambda: ["all-linear"])
+    layers: int | None = None  # adapt only the last n layers (CPU speed: no backward below them)
 
 
 @dataclasses.dataclass
@@ -105,6 +107,17 @@ class DiagnosticsSection:
 
 
 @dataclasses.dataclass
+class MeshConfig:
+    """Device mesh (see marljax.sharding): sizes of its data, fsdp and tensor axes, -1 = the rest."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    rules: str = "auto"  # auto (fsdp_tp when tensor > 1, else fsdp) | fsdp | fsdp_tp
+    lora: str = "sharded"  # sharded (by the base weight's rules) | replicated
+
+
+@dataclasses.dataclass
 class Config:
     model: str = "smollm2-135m-instruct"
     dtype: str = "float32"
@@ -121,6 +134,7 @@ class Config:
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     diagnostics: DiagnosticsSection = dataclasses.field(default_factory=DiagnosticsSection)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
 
 class ConfigError(ValueError):

@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from marljax.models.decoder import Decoder, init_cache
+from marljax.sharding import replicate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,4 +154,4 @@ def _sample(graphdef, state, lora, tokens_bp, lengths_b, live_b, key, lora_scale
 
     carry = (jnp.int32(1), out_tok, out_logp, n_out, done, hit, cache, tok_b)
     _, out_tok, out_logp, n_out, _, hit, _, _ = jax.lax.while_loop(cond, body, carry)
-    return out_tok, out_logp, n_out, hit
+    return replicate((out_tok, out_logp, n_out, hit))  # readable on every host of a mesh

@@ -20,8 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 from flax import nnx
+from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
+from marljax import sharding
 from marljax.checkpoint import Checkpointer
 from marljax.config import Config, ConfigError, load_config, to_dict
 from marljax.metrics import MetricsLogger
@@ -30,10 +32,10 @@ from marljax.models.tokenizer import ChatCodec
 from marljax.rl import policy_map as pm
 from marljax.rl.advantages import AdvantageConfig, compute_advantages
 from marljax.rl.diagnostics import AccuracyTracker, CliffConfig, DominanceTracker, LengthDrift
-from marljax.rl.lora import ALL_LINEAR, LoRAConfig, init_lora
+from marljax.rl.lora import ALL_LINEAR, LoRAConfig, init_lora, merged_model
 from marljax.rl.losses import LossConfig
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, train_batch
-from marljax.sampling import SamplingParams, generate
+from marljax.sampling import SamplingParams, bucket, generate
 from marljax.tasks.data import load_task
 from marljax.workflows import Sample as WorkflowSample
 from marljax.workflows import get_workflow, rollout
@@ -74,7 +76,12 @@ class Run:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.run_dir = pathlib.Path(cfg.run_dir)
-        self.model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed)
+        if cfg.mesh.lora not in ("sharded", "replicated"):
+            raise ConfigError(f"mesh.lora={cfg.mesh.lora!r}; choose 'sharded' or 'replicated'.")
+        self.mesh = sharding.make_mesh(cfg.mesh)
+        self.rules = sharding.get_rules(cfg.mesh, self.mesh)
+        self.model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed,
+                                shardings=sharding.variable_sharding(self.mesh, self.rules))
         self.codec = ChatCodec(load_tokenizer(cfg.model))
         opts = dict(cfg.task.options)
         self.train_problems = load_task(cfg.task.name, path=cfg.task.path, split="train", seed=cfg.task.split_seed,
@@ -92,7 +99,8 @@ class Run:
         self.lora_cfg = None
         if cfg.lora.enabled:
             targets = ALL_LINEAR if cfg.lora.targets in (["all-linear"], "all-linear") else tuple(cfg.lora.targets)
-            self.lora_cfg = LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=targets)
+            self.lora_cfg = LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=targets,
+                                       layers=cfg.lora.layers)
         unknown_kl = sorted(set(rl.kl_beta) - set(self.workflow.roles))
         if unknown_kl:
             raise ConfigError(f"rl.kl_beta names roles {unknown_kl} not in workflow "
@@ -110,11 +118,19 @@ class Run:
                                        estimator=rl.estimator)
         o = cfg.optim
         self.optimizer = make_optimizer(weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, grad_clip=o.grad_clip)
-        self.trainer = Trainer(self.model, self.step_cfg, self.optimizer)
-        self.params = self.init_params()
-        self.opt_states = {s: self.optimizer.init(p) for s, p in self.params.items()}
-        self.ema = ({r: jax.tree.map(jnp.zeros_like, self.params[s]) for r, s in self.route.items()}
-                    if rl.damping_lambda > 0 else {})
+        params = self.init_params()
+        p_sh = {s: sharding.trainable_shardings(p, self.model, self.mesh, self.rules,
+                                                replicate_lora=cfg.mesh.lora == "replicated")
+                for s, p in params.items()}
+        o_sh = {s: sharding.optimizer_shardings(self.optimizer, p, p_sh[s], self.mesh)
+                for s, p in params.items()}
+        e_sh = {r: p_sh[s] for r, s in self.route.items()} if rl.damping_lambda > 0 else {}
+        self.params = jax.device_put(params, p_sh)
+        self.opt_states = jax.device_put({s: self.optimizer.init(p) for s, p in self.params.items()}, o_sh)
+        self.ema = jax.device_put({r: jax.tree.map(jnp.zeros_like, self.params[self.route[r]])
+                                   for r in e_sh}, e_sh)
+        self.trainer = Trainer(self.model, self.step_cfg, self.optimizer,
+                               out_shardings=(p_sh, o_sh, e_sh, sharding.replicated(self.mesh)))
         d = cfg.diagnostics
         self.accuracy = AccuracyTracker(total_steps=cfg.steps,
                                         cliff=CliffConfig(min_drop=d.cliff_drop, window_frac=d.cliff_window))
@@ -135,16 +151,34 @@ class Run:
         cfg = self.cfg
 
         def fn(set_name: str, prompts: list[list[int]], seed: int) -> list[WorkflowSample]:
-            sp = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, temperature=temperature,
-                                top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
-                                stop_token_ids=tuple(self.codec.stop_token_ids), seed=seed)
-            if self.lora_cfg is not None:
-                out = generate(self.model, prompts, sp, lora=self.params[set_name],
-                               lora_scale=self.lora_cfg.scale)
-            else:
-                out = generate(nnx.merge(self.trainer.graphdef, self.params[set_name]), prompts, sp)
-            return [WorkflowSample(t, lp, not fin) for t, lp, fin in zip(out.tokens, out.logprobs, out.finished)]
+            samples = []
+            # LoRA is folded into a copy of the weights once per call: decoding then costs the base's
+            # matmuls only, and the sampler's jit (state as argument) does not recompile per set.
+            with sharding.use_mesh(self.mesh, self.rules):
+                model = (merged_model(self.model, self.params[set_name], self.lora_cfg.scale)
+                         if self.lora_cfg is not None else nnx.merge(self.trainer.graphdef, self.params[set_name]))
+            for k, chunk in enumerate(self.chunks(prompts)):
+                chunk_seed = seed if k == 0 else int(np.random.SeedSequence([seed, k]).generate_state(1)[0])
+                sp = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, temperature=temperature,
+                                    top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
+                                    stop_token_ids=tuple(self.codec.stop_token_ids), seed=chunk_seed)
+                with sharding.use_mesh(self.mesh, self.rules):
+                    out = generate(model, chunk, sp)
+                samples += [WorkflowSample(t, lp, not fin)
+                            for t, lp, fin in zip(out.tokens, out.logprobs, out.finished)]
+            return samples
         return fn
+
+    def chunks(self, prompts: list[list[int]]) -> list[list[list[int]]]:
+        """Prompts cut into sampler calls of at most `sampling.max_cache_tokens` batch × KV length
+        (a power-of-two number of rows, as the sampler buckets batches); one call when it is 0."""
+        cap = self.cfg.sampling.max_cache_tokens
+        if cap <= 0 or not prompts:
+            return [prompts]
+        length = bucket(max(len(p) for p in prompts), 16) + self.cfg.sampling.max_new_tokens
+        rows = max(1, cap // length)
+        rows = 1 << (rows.bit_length() - 1)
+        return [prompts[i: i + rows] for i in range(0, len(prompts), rows)]
 
     def evaluate(self, seed: int) -> dict:
         ev = evaluate_workflow(self.workflow, self.eval_problems, self.sample_fn(self.cfg.eval.temperature),
@@ -176,11 +210,15 @@ class Run:
         adv = compute_advantages(problem_id=c.problem_id, rollout=c.rollout, role=c.role, slot=c.slot,
                                  turn=c.turn, episode_reward=c.reward, role_reward=c.correct,
                                  cfg=self.adv_cfg, split_slots=ro.slot_grouped_roles)
+        advantage = adv.advantage
+        if jax.process_count() > 1:  # rewards can differ across hosts (test timeouts): use process 0's
+            advantage = multihost_utils.broadcast_one_to_all(np.asarray(advantage))
         samples = [Sample(str(c.role[i]), list(c.prompt_ids[i]), list(c.response_ids[i]),
-                          float(adv.advantage[i])) for i in range(len(c.role)) if len(c.response_ids[i])]
+                          float(advantage[i])) for i in range(len(c.role)) if len(c.response_ids[i])]
         t1 = time.perf_counter()
-        self.params, self.opt_states, self.ema, m = train_batch(
-            self.trainer, self.params, self.opt_states, self.ema, samples, lr_at(cfg, step))
+        with sharding.use_mesh(self.mesh, self.rules):
+            self.params, self.opt_states, self.ema, m = train_batch(
+                self.trainer, self.params, self.opt_states, self.ema, samples, lr_at(cfg, step))
         t_update = time.perf_counter() - t1
         record = {"step": step, "lr": lr_at(cfg, step), **rollout_metrics(ro), **adv.metrics(), **m}
         for role in self.workflow.roles:
@@ -228,8 +266,9 @@ def check_run_dir_config(run_dir: pathlib.Path, cfg: Config) -> None:
     if not saved.exists():
         return
     old, new = yaml.safe_load(saved.read_text()), to_dict(cfg)
-    old.pop("steps", None)
-    new = {k: v for k, v in new.items() if k != "steps"}
+    for key in ("steps", "mesh"):  # a run may grow, and resume on another mesh
+        old.pop(key, None)
+        new.pop(key, None)
     diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     if diff:
         raise ConfigError(f"{run_dir} holds a run with a different config (differs in: {', '.join(diff)}). "
@@ -241,9 +280,11 @@ def train(cfg: Config) -> pathlib.Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     check_run_dir_config(run_dir, cfg)
     run = Run(cfg)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    primary = sharding.is_primary()  # on many hosts, only process 0 writes run files
+    if primary:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     ckpt = Checkpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep)
-    log = MetricsLogger(run_dir)
+    log = MetricsLogger(run_dir) if primary else _SilentLogger()
     start = 0
     if ckpt.latest_step() is not None:
         start, state, meta = ckpt.restore(run.state())
@@ -254,8 +295,10 @@ def train(cfg: Config) -> pathlib.Path:
         ev = run.evaluate(seed=cfg.seed)
         run.accuracy.update(0, ev.metrics["pass@1"])
         log.log({"step": 0, **{f"eval/{k}": v for k, v in ev.metrics.items()}})
-        (run_dir / "eval_step0.jsonl").write_text("".join(json.dumps(t) + "\n" for t in ev.transcripts))
-    bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="train", unit="step")
+        if primary:
+            (run_dir / "eval_step0.jsonl").write_text("".join(json.dumps(t) + "\n" for t in ev.transcripts))
+    bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="train", unit="step",
+               disable=not primary)
     for step in bar:
         record = run.train_step(step)
         nonfinite = not math.isfinite(record["loss"]) or any(
@@ -283,8 +326,23 @@ def train(cfg: Config) -> pathlib.Path:
                 f"good state is the newest checkpoint in {ckpt.dir}. Lower optim.lr or check the data.")
     ckpt.close()
     log.close()
+    if not primary:
+        return run_dir
     from marljax.report import write_report
     return write_report([run_dir])
+
+
+class _SilentLogger:
+    """The metrics logger of a process other than 0: writes nothing."""
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -292,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", help="YAML config (default: configs/default.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rl.clip_high=0.28")
     args = parser.parse_args(argv)
+    sharding.initialize_distributed()
     try:
         cfg = load_config(args.config, args.overrides,
                           default_file=str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None)

@@ -14,7 +14,7 @@ from marljax.config import ConfigError, load_config
 from marljax.train import main as train_main
 
 TINY = ["model=tiny-qwen3", "task=arith", "sampling.max_new_tokens=12", "rl.problems_per_step=2",
-        "rl.rollouts=2", "task.eval_n=2", "eval.every=2", "lora.rank=4", "optim.lr=1e-3",
+        "rl.rollouts=2", "task.eval_n=2", "eval.every=2", "lora.rank=4", "lora.layers=null", "optim.lr=1e-3",
         "optim.warmup_steps=0", "optim.schedule=constant", "task.train_size=8"]
 ROLES = {"single": ["generator"], "voting": ["generator", "aggregator"], "eval_opt": ["generator", "evaluator"],
          "orch_workers": ["orchestrator", "worker", "synthesizer"]}

@@ -2,7 +2,8 @@
 
 Layers are stored stacked (leading `layers` axis) and run under `jax.lax.scan`, so a 36-layer model
 compiles as fast as a 1-layer one. Every parameter carries logical axis names (`logical_axes`)
-that `marljax.sharding` maps onto a device mesh.
+that `marljax.sharding` maps onto a device mesh; activations are constrained by logical name too
+(`marljax.sharding.constrain`, a no-op without a mesh).
 
 The forward pass optionally takes LoRA adapters as a plain pytree (`lora`), so one frozen base serves
 any number of adapter sets (one per parameter set of the role map), and a KV cache for sampling.
@@ -113,7 +114,8 @@ def linear(x, w, name: str, lora_layer: dict | None, lora_scale: float, n_in: in
     if lora_layer is not None and name in lora_layer:
         a, b = lora_layer[name]["a"], lora_layer[name]["b"]  # a: [*in, r], b: [r, *out]
         h = jnp.einsum(f"...{in_axes},{in_axes}r->...r", x, a.astype(x.dtype))
-        y = y + lora_scale * jnp.einsum(f"...r,r{out_axes}->...{out_axes}", h, b.astype(x.dtype))
+        delta = lora_scale * jnp.einsum(f"...r,r{out_axes}->...{out_axes}", h, b.astype(x.dtype))
+        y = y + delta.astype(y.dtype)  # a float32 scale must not promote a bfloat16 model
     return y
 
 
@@ -165,13 +167,15 @@ class Decoder(nnx.Module):
         return constrain(logits, ("batch", *("length",) * (logits.ndim - 2), "act_vocab"))
 
     def hidden(self, tokens_bt, positions_bt=None, *, cache=None, lora=None, lora_scale=1.0,
-               kv_mask_bs=None):
+               kv_mask_bs=None, remat=False):
         """Last hidden states [B, T, D] (before the final norm) and the updated cache (or None).
 
         Without a cache, attention is causal over the T tokens (`kv_mask_bs` [B, T] may mark padded
         keys). With a cache {"k","v": [L, B, S, K, Dh]}, the T new tokens of row b are written at
         columns positions_bt[b, 0] … + T − 1 and attend every column ≤ their own position: cache
-        column = absolute position, so right-padded prompts need no extra mask.
+        column = absolute position, so right-padded prompts need no extra mask. `remat` recomputes each
+        layer in the backward pass instead of storing its activations (training memory ∝ layers × B·T·D,
+        not layers × B·heads·T²).
         """
         c = self.config
         B, T = tokens_bt.shape
@@ -214,7 +218,21 @@ class Decoder(nnx.Module):
             x = x + linear(act, p["w_down"], "w_down", lora_l, lora_scale, 1)
             return constrain(x, ("batch", "length", "act_embed")), cache_l
 
-        x, new_cache = jax.lax.scan(block, x, (layer_params, lora, cache))
+        if remat:
+            block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
+        n_adapted = c.num_layers if lora is None else jax.tree.leaves(lora)[0].shape[0]
+        if n_adapted == c.num_layers:
+            return jax.lax.scan(block, x, (layer_params, lora, cache))
+        # Adapters on the last n layers only: the frozen bottom runs without them, and its activations
+        # are constants for the adapters' gradient (no backward pass through it).
+        split = c.num_layers - n_adapted
+        lo, hi = (jax.tree.map(lambda a: a[:split], t) for t in (layer_params, cache)), (
+            jax.tree.map(lambda a: a[split:], t) for t in (layer_params, cache))
+        (p_lo, c_lo), (p_hi, c_hi) = lo, hi
+        x, new_lo = jax.lax.scan(block, x, (p_lo, None, c_lo))
+        x, new_hi = jax.lax.scan(block, x, (p_hi, lora, c_hi))
+        new_cache = None if cache is None else jax.tree.map(
+            lambda a, b: jnp.concatenate([a, b], axis=0), new_lo, new_hi)
         return x, new_cache
 
 

@@ -99,24 +99,41 @@ def _scale(tree, c):
 class Trainer:
     """Holds the frozen base, the step config and the optimizer; `update` is the jitted step."""
 
-    def __init__(self, model: Decoder, cfg: StepConfig, optimizer: optax.GradientTransformation):
+    def __init__(self, model: Decoder, cfg: StepConfig, optimizer: optax.GradientTransformation, *,
+                 out_shardings=None):
+        """`out_shardings`: shardings of `update`'s (params, opt_states, ema, metrics) on a device
+        mesh (see `marljax.sharding`), so the state stays where it was placed."""
         self.graphdef, self.base_state = nnx.split(model)
         self.cfg = cfg
         self.optimizer = optimizer
-        self.update = jax.jit(self._update, static_argnames=("recompute_old",), donate_argnums=(0, 1, 2))
-        self.logprobs = jax.jit(self._all_logprobs)
+        # The frozen base is a jit argument: a closed-over array would be inlined as a constant.
+        extra = {} if out_shardings is None else {"out_shardings": out_shardings}
+        self._update_jit = jax.jit(self._update, static_argnames=("recompute_old",),
+                                   donate_argnums=(1, 2, 3), **extra)
+        self._logprobs_jit = jax.jit(self._all_logprobs)
+
+    def update(self, params, opt_states, ema, batches: dict[str, RoleBatch], lr, *, recompute_old):
+        """The jitted step (donates params, opt_states and ema); see the module docstring."""
+        return self._update_jit(self.base_state, params, opt_states, ema, batches, lr,
+                                recompute_old=recompute_old)
+
+    def logprobs(self, params, batches: dict[str, RoleBatch]):
+        """Jitted response log-probs of every role under its set's current parameters."""
+        return self._logprobs_jit(self.base_state, params, batches)
 
     # ---- forward -----------------------------------------------------------------------------
-    def response_logprobs(self, trainable, batch: RoleBatch, *, use_base: bool = False):
-        """log π(response token) [n, R] at the configured temperature; `use_base`: the frozen base."""
+    def response_logprobs(self, trainable, batch: RoleBatch, *, use_base: bool = False, base=None):
+        """log π(response token) [n, R] at the configured temperature; `use_base`: the frozen base
+        (`base`: its state, default the one the trainer was built with)."""
         cfg = self.cfg
+        base = self.base_state if base is None else base
         if cfg.lora_scale is None:
-            model = nnx.merge(self.graphdef, self.base_state if use_base else trainable)
+            model = nnx.merge(self.graphdef, base if use_base else trainable)
             lora = None
         else:
-            model = nnx.merge(self.graphdef, self.base_state)
+            model = nnx.merge(self.graphdef, base)
             lora = None if use_base else trainable
-        h_ntd, _ = model.hidden(batch.tokens_nt, lora=lora, lora_scale=cfg.lora_scale or 1.0)
+        h_ntd, _ = model.hidden(batch.tokens_nt, lora=lora, lora_scale=cfg.lora_scale or 1.0, remat=True)
         T, R = batch.tokens_nt.shape[1], batch.resp_mask_nr.shape[1]
         idx_nr = jnp.minimum(batch.prompt_len_n[:, None] - 1 + jnp.arange(R), T - 2)
         h_nrd = jnp.take_along_axis(h_ntd, idx_nr[:, :, None], axis=1)
@@ -125,16 +142,17 @@ class Trainer:
         logp = jax.nn.log_softmax(logits, axis=-1)
         return jnp.take_along_axis(logp, target_nr[:, :, None], axis=-1)[:, :, 0]
 
-    def _all_logprobs(self, params, batches: dict[str, RoleBatch]):
-        return {r: self.response_logprobs(params[self.cfg.set_of(r)], b) for r, b in batches.items()}
+    def _all_logprobs(self, base, params, batches: dict[str, RoleBatch]):
+        return {r: self.response_logprobs(params[self.cfg.set_of(r)], b, base=base)
+                for r, b in batches.items()}
 
-    def role_loss(self, trainable, batch: RoleBatch, role: str, recompute_old: bool):
-        logp = self.response_logprobs(trainable, batch)
+    def role_loss(self, trainable, batch: RoleBatch, role: str, recompute_old: bool, base=None):
+        logp = self.response_logprobs(trainable, batch, base=base)
         old = batch.old_logp_nr if recompute_old else jax.lax.stop_gradient(logp)
         beta = dict(self.cfg.kl_beta).get(role, 0.0)
         ref = kl_b = None
         if beta > 0:
-            ref = self.response_logprobs(trainable, batch, use_base=True)
+            ref = self.response_logprobs(trainable, batch, use_base=True, base=base)
             kl_b = jnp.full(batch.adv_n.shape, beta, jnp.float32)
         seq_b, denom, metrics = sequence_losses(logp, old, batch.adv_n, batch.resp_mask_nr,
                                                 self.cfg.loss, ref, kl_b)
@@ -142,7 +160,8 @@ class Trainer:
         return loss, (denom, metrics)
 
     # ---- the step ----------------------------------------------------------------------------
-    def _update(self, params, opt_states, ema, batches: dict[str, RoleBatch], lr, *, recompute_old):
+    def _update(self, base, params, opt_states, ema, batches: dict[str, RoleBatch], lr, *,
+                recompute_old):
         cfg = self.cfg
         scale = dict(cfg.role_scale)
         out: dict[str, jax.Array] = {}
@@ -150,7 +169,7 @@ class Trainer:
         for role, batch in batches.items():
             trainable = params[cfg.set_of(role)]
             (loss, (denom, metrics)), g = jax.value_and_grad(self.role_loss, has_aux=True)(
-                trainable, batch, role, recompute_old)
+                trainable, batch, role, recompute_old, base)
             grads[role], denoms[role], losses[role] = g, denom, loss
             norms[role] = optax.tree.norm(g)
             out[f"role/{role}/loss"] = loss
@@ -225,10 +244,16 @@ class Sample:
     old_logprobs: list[float] | None = None
 
 
+def length_bucket(n: int) -> int:
+    """n rounded up to a multiple of a quarter of its power of two (≤ 25% padding, few shapes)."""
+    step = max(16, bucket(n) // 4)
+    return -(-n // step) * step
+
+
 def pack(samples: list[Sample], *, n_bucket: int | None = None) -> RoleBatch:
     """Right-pad samples of one role into bucketed arrays (rows beyond len(samples) are padding)."""
     n = n_bucket or bucket(max(len(samples), 1))
-    T = bucket(max([len(s.prompt) + len(s.response) for s in samples] + [2]) + 1, 16)
+    T = length_bucket(max([len(s.prompt) + len(s.response) for s in samples] + [2]) + 1)
     R = bucket(max([len(s.response) for s in samples] + [1]), 8)
     tokens = np.zeros((n, T), np.int32)
     plen = np.ones((n,), np.int32)

@@ -1,0 +1,186 @@
+"""Every GPU check in one go, on Qwen3-0.6B-shaped random weights in bfloat16 (no checkpoint needed):
+  1. sampler decode tok/s at several batch sizes (greedy, no early stop), against the HBM roofline: a
+     decode step reads every weight once plus the whole KV cache buffer (our attention reads all of its
+     columns), so roofline tok/s = batch × HBM bandwidth / (weight bytes + cache bytes);
+  2. train-step MFU of `Trainer.update` with the paper's LoRA (rank 64, all linear layers) and with full
+     fine-tuning. Model FLOPs per token: LoRA 4·N + 6·N_lora (forward, backward to the activations, no
+     base weight gradient), full 6·N; plus attention 4·L·H·Dh·T per token ×3; N = matmul weights.
+Writes the "## GPU (Qwen3-0.6B shape, bf16)" section of docs/benchmarks.md.
+
+    python bench/gpu.py [--peak-tflops 989 --hbm-gbs 3350] [--no-write]
+    python bench/gpu.py --tiny --no-write        # a seconds-long smoke run of the same code on any device
+
+Peak figures are looked up from the device name (H100, H200, A100, L4) unless given.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import math
+import pathlib
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from marljax.models.decoder import LINEAR_AXES, Decoder
+from marljax.models.presets import PRESETS
+from marljax.rl.lora import LoRAConfig, init_lora
+from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack
+from marljax.sampling import SamplingParams, bucket, generate
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+TITLE = "## GPU (Qwen3-0.6B shape, bf16)"
+# device name fragment -> (dense bf16 TFLOP/s, HBM GB/s)
+PEAKS = {"H200": (989, 4800), "H100": (989, 3350), "A100": (312, 2039), "L4": (121, 300)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    batches: tuple[int, ...]
+    prompt: int
+    new: int
+    train_rows: int
+    train_prompt: int
+    train_response: int
+
+
+FULL = Plan(batches=(1, 16, 128), prompt=128, new=256, train_rows=8, train_prompt=128, train_response=384)
+TINY = Plan(batches=(1, 4), prompt=16, new=16, train_rows=2, train_prompt=16, train_response=16)
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # compile
+    fn()  # a state whose dtypes settle after one step (bf16 Adam hyperparameters) compiles once more
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def decode(model, cfg, plan: Plan, hbm_gbs: float | None, repeats: int, lora=None, scale=1.0) -> list[dict]:
+    rows = []
+    weight_bytes = cfg.num_params() * jnp.dtype(cfg.dtype).itemsize
+    if lora is not None:
+        weight_bytes += sum(x.nbytes for x in jax.tree.leaves(lora))
+    for b in plan.batches:
+        prompts = [list(range(1 + i, 1 + i + plan.prompt)) for i in range(b)]
+        run = lambda n: jax.block_until_ready(generate(  # noqa: E731
+            model, prompts, SamplingParams(max_new_tokens=n, temperature=0.0), lora=lora, lora_scale=scale).tokens)
+        full, first = timed(lambda: run(plan.new), repeats), timed(lambda: run(1), repeats)
+        tok_s = b * (plan.new - 1) / (full - first) if full > first else None
+        cache_len = bucket(plan.prompt, 16) + plan.new
+        cache_bytes = 2 * cfg.num_layers * bucket(b) * cache_len * cfg.num_kv_heads * cfg.head_dim * 2
+        roof = b * hbm_gbs * 1e9 / (weight_bytes + cache_bytes) if hbm_gbs else None
+        rows.append({"batch": b, "tok_s": tok_s, "roofline_tok_s": roof, "prefill_s": first})
+    return rows
+
+
+def matmul_params(cfg) -> int:
+    per_layer = sum(math.prod(cfg.linear_shape(n)[0]) * math.prod(cfg.linear_shape(n)[1]) for n in LINEAR_AXES)
+    return cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size
+
+
+def train_mfu(model, cfg, plan: Plan, peak_tflops: float | None, repeats: int, lora: bool) -> dict:
+    rng = np.random.default_rng(0)
+    samples = [Sample("generator", list(rng.integers(1, cfg.vocab_size, plan.train_prompt)),
+                      list(rng.integers(1, cfg.vocab_size, plan.train_response)), float(rng.normal()))
+               for _ in range(plan.train_rows)]
+    batch = {"generator": pack(samples)}
+    lcfg = LoRAConfig(rank=64, alpha=32)
+    step = StepConfig(route=(("generator", "g"),), lora_scale=lcfg.scale if lora else None, minibatch="balanced")
+    opt = make_optimizer()
+    params = {"g": init_lora(cfg, lcfg, jax.random.key(0), jnp.float32) if lora
+              else jax.tree.map(jnp.array, nnx.state(model, nnx.Param))}
+    state = {"params": params, "opt": {"g": opt.init(params["g"])}}
+    trainer = Trainer(model, step, opt)
+
+    def one():
+        state["params"], state["opt"], _, m = trainer.update(state["params"], state["opt"], {}, batch,
+                                                              jnp.float32(1e-5), recompute_old=False)
+        jax.block_until_ready(m)
+
+    seconds = timed(one, repeats)
+    n, t = batch["generator"].tokens_nt.shape
+    tokens = n * t
+    attention = 3 * 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * t
+    n_lora = sum(cfg.num_layers * lcfg.rank * (math.prod(i) + math.prod(o))
+                 for i, o in (cfg.linear_shape(k) for k in LINEAR_AXES))
+    per_token = (4 * matmul_params(cfg) + 6 * n_lora if lora else 6 * matmul_params(cfg)) + attention
+    flops = per_token * tokens
+    return {"mode": "LoRA r64" if lora else "full", "tokens": tokens, "seconds": seconds,
+            "tflops": flops / seconds / 1e12,
+            "mfu": flops / seconds / (peak_tflops * 1e12) if peak_tflops else None}
+
+
+def write_section(text: str) -> None:
+    """Replace (or append) this section of docs/benchmarks.md, leaving the others alone."""
+    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    start = doc.find(f"\n{TITLE}\n")
+    if start < 0:
+        doc = doc.rstrip("\n") + "\n\n" + text
+    else:
+        end = doc.find("\n## ", start + 1)
+        doc = doc[:start + 1] + text + (doc[end:] if end >= 0 else "")
+    DOC.write_text(doc)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (default: by name)")
+    ap.add_argument("--hbm-gbs", type=float, help="HBM GB/s per device (default: by name)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run on any device")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    device = jax.devices()[0]
+    if device.platform != "gpu" and not args.tiny:
+        ap.error(f"no GPU here ({device.platform}); use --tiny for a smoke run")
+    known = next((v for k, v in PEAKS.items() if k in device.device_kind), (None, None))
+    peak, hbm = args.peak_tflops or known[0], args.hbm_gbs or known[1]
+    plan = TINY if args.tiny else FULL
+    cfg = dataclasses.replace(PRESETS["qwen3-0.6b"], dtype="bfloat16")
+    if args.tiny:
+        cfg = dataclasses.replace(cfg, num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4,
+                                  num_kv_heads=2, head_dim=16, vocab_size=1024)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    lcfg = LoRAConfig(rank=64, alpha=32)
+    plain = decode(model, cfg, plan, hbm, args.repeats)
+    with_lora = decode(model, cfg, dataclasses.replace(plan, batches=plan.batches[-1:]), hbm, args.repeats,
+                       lora=init_lora(cfg, lcfg, jax.random.key(1)), scale=lcfg.scale)
+    train = [train_mfu(model, cfg, plan, peak, args.repeats, lora) for lora in (True, False)]
+
+    fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
+    dec_rows = "\n".join(
+        f"| {r['batch']}{' + LoRA r64' if lab else ''} | {fmt(r['tok_s'], '.0f')} | "
+        f"{fmt(r['roofline_tok_s'], '.0f')} | "
+        f"{fmt(r['roofline_tok_s'] and r['tok_s'] and r['tok_s'] / r['roofline_tok_s'], '.0%')} | "
+        f"{r['prefill_s'] * 1e3:.0f} ms |"
+        for lab, rows in ((False, plain), (True, with_lora)) for r in rows)
+    train_rows = "\n".join(
+        f"| {t['mode']} | {t['tokens']} | {t['seconds'] * 1e3:.0f} ms | {t['tflops']:.1f} | {fmt(t['mfu'], '.0%')} |"
+        for t in train)
+    section = (
+        f"{TITLE}\n\n`python bench/gpu.py{' --tiny' if args.tiny else ''}` on {datetime.date.today()}, "
+        f"{device.device_kind}, jax {jax.__version__}, Python {platform.python_version()}; peak "
+        f"{fmt(peak, 'g')} TFLOP/s bf16, HBM {fmt(hbm, 'g')} GB/s. Random weights, "
+        f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, bfloat16.\n\n"
+        f"Decode ({plan.prompt}-token prompts, {plan.new} greedy tokens, prefill timed separately):\n\n"
+        f"| batch | tok/s | HBM roofline tok/s | of roofline | prefill |\n|---|---|---|---|---|\n{dec_rows}\n\n"
+        f"Train step (`Trainer.update`, {plan.train_rows} rows of {plan.train_prompt} + "
+        f"{plan.train_response} tokens, padded):\n\n"
+        f"| mode | tokens | step | model TFLOP/s | MFU |\n|---|---|---|---|---|\n{train_rows}\n")
+    print(section)
+    if not args.no_write:
+        write_section(section)
+
+
+if __name__ == "__main__":
+    main()

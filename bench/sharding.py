@@ -1,0 +1,162 @@
+"""Sharded vs single-device step time on simulated CPU devices: the same random model, LoRA train step
+(`Trainer.update`, two roles) and greedy sampler call on one device (in a 1-device process, and in the
+8-device process) and under three 8-device meshes. The point is that the mesh runs the code path a
+TPU/GPU mesh runs, not speed: the simulated devices share the same cores. Writes the
+"## Sharding (CPU, simulated devices)" section of docs/benchmarks.md.
+
+    python bench/sharding.py [--repeats 5] [--no-write]
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+# The device count is fixed when jax starts: 8, or 1 for the baseline run in a child process.
+BASELINE = "--baseline" in sys.argv
+os.environ["XLA_FLAGS"] = (re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+                           + f" --xla_force_host_platform_device_count={1 if BASELINE else 8}").strip()
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from marljax import sharding  # noqa: E402
+from marljax.config import MeshConfig  # noqa: E402
+from marljax.models.decoder import Decoder, ModelConfig  # noqa: E402
+from marljax.rl.lora import LoRAConfig, init_lora  # noqa: E402
+from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack  # noqa: E402
+from marljax.sampling import SamplingParams, generate  # noqa: E402
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+TITLE = "## Sharding (CPU, simulated devices)"
+CFG = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,
+                  num_kv_heads=4, head_dim=32, rope_theta=10_000.0)
+LORA = LoRAConfig(rank=16, alpha=32)
+STEP = StepConfig(route=(("generator", "generator"), ("aggregator", "aggregator")), lora_scale=LORA.scale,
+                  minibatch="balanced")
+MESHES = {"1 of 8 devices (no mesh)": None, "fsdp=8": MeshConfig(fsdp=8),
+          "fsdp=2, tensor=4": MeshConfig(fsdp=2, tensor=4), "data=2, fsdp=4": MeshConfig(data=2, fsdp=4)}
+SAMPLE_PROMPTS, SAMPLE_NEW = 16, 32
+
+
+def batches() -> dict:
+    rng = np.random.default_rng(0)
+    out = {}
+    for role, n in (("generator", 32), ("aggregator", 16)):
+        out[role] = pack([Sample(role, list(rng.integers(1, CFG.vocab_size, 64)),
+                                 list(rng.integers(1, CFG.vocab_size, 64)), float(rng.normal())) for _ in range(n)])
+    return out
+
+
+def measure(mesh_cfg: MeshConfig | None, repeats: int) -> dict:
+    model, opt = Decoder(CFG, rngs=nnx.Rngs(0)), make_optimizer()
+    params = jax.jit(lambda: {s: init_lora(CFG, LORA, jax.random.key(i)) for i, s in enumerate(STEP.sets)})()
+    ctx, out_shardings = contextlib.nullcontext(), None
+    if mesh_cfg is not None:
+        mesh = sharding.make_mesh(mesh_cfg)
+        rules = sharding.get_rules(mesh_cfg, mesh)
+        sharding.shard_model(model, mesh, rules)
+        p_sh = {s: sharding.trainable_shardings(p, model, mesh, rules) for s, p in params.items()}
+        o_sh = {s: sharding.optimizer_shardings(opt, params[s], p_sh[s], mesh) for s in params}
+        params = jax.device_put(params, p_sh)
+        out_shardings = (p_sh, o_sh, {}, sharding.replicated(mesh))
+        ctx = sharding.use_mesh(mesh, rules)
+    opt_states = {s: opt.init(p) for s, p in params.items()}
+    trainer = Trainer(model, STEP, opt, out_shardings=out_shardings)
+    data, lr = batches(), jnp.float32(1e-4)
+    prompts = [list(range(3 + i, 40 + i)) for i in range(SAMPLE_PROMPTS)]
+    sp = SamplingParams(max_new_tokens=SAMPLE_NEW, temperature=0.0)
+    with ctx:
+        t = time.perf_counter()
+        params, opt_states, _, m = trainer.update(params, opt_states, {}, data, lr, recompute_old=False)
+        jax.block_until_ready(m)
+        compile_train = time.perf_counter() - t
+        train = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            params, opt_states, _, m = trainer.update(params, opt_states, {}, data, lr, recompute_old=False)
+            jax.block_until_ready(m)
+            train.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        generate(model, prompts, sp)
+        compile_sample = time.perf_counter() - t
+        sample = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            generate(model, prompts, sp)
+            sample.append(time.perf_counter() - t)
+    return {"train": statistics.median(train), "sample": statistics.median(sample),
+            "compile_train": compile_train, "compile_sample": compile_sample}
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, jax {jax.__version__}"
+
+
+def write_section(text: str) -> None:
+    """Replace (or append) this section of docs/benchmarks.md, leaving the others alone."""
+    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    start = doc.find(f"\n{TITLE}\n")
+    if start < 0:
+        doc = doc.rstrip("\n") + "\n\n" + text
+    else:
+        end = doc.find("\n## ", start + 1)
+        doc = doc[:start + 1] + text + (doc[end:] if end >= 0 else "")
+    DOC.parent.mkdir(exist_ok=True)
+    DOC.write_text(doc)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--baseline", action="store_true", help="(internal) the 1-device run; prints JSON")
+    args = ap.parse_args()
+    if args.baseline:
+        print(json.dumps(measure(None, args.repeats)))
+        return
+    assert jax.device_count() == 8, f"expected 8 simulated devices, got {jax.device_count()}"
+    child = subprocess.run([sys.executable, __file__, "--baseline", "--repeats", str(args.repeats)],
+                           capture_output=True, text=True, check=True)
+    results = {"1 device (1-device process)": json.loads(child.stdout.splitlines()[-1])}
+    results.update({name: measure(mc, args.repeats) for name, mc in MESHES.items()})
+    base = results["1 device (1-device process)"]
+    tokens = 32 * 128 + 16 * 128
+    rows = "\n".join(
+        f"| {name} | {r['train'] * 1e3:.0f} ms | {base['train'] / r['train']:.2f}× | "
+        f"{SAMPLE_PROMPTS * SAMPLE_NEW / r['sample']:.0f} tok/s | {base['sample'] / r['sample']:.2f}× | "
+        f"{r['compile_train']:.1f} s / {r['compile_sample']:.1f} s |" for name, r in results.items())
+    section = (
+        f"{TITLE}\n\n`python bench/sharding.py` on {datetime.date.today()}, {machine()}, 8 devices from "
+        f"`--xla_force_host_platform_device_count=8`, load average {os.getloadavg()[0]:.1f} at the end (other "
+        f"jobs share the machine); median of {args.repeats} runs after one compiling call. Model: "
+        f"{CFG.num_layers} layers, hidden {CFG.hidden_size}, {CFG.num_heads} heads / {CFG.num_kv_heads} KV heads, "
+        f"vocab {CFG.vocab_size}, float32. Train: one `Trainer.update` with LoRA rank {LORA.rank} on two "
+        f"parameter sets ({tokens} padded tokens); sampler: {SAMPLE_PROMPTS} prompts × {SAMPLE_NEW} greedy "
+        f"tokens. Speed is relative to the 1-device process (above 1 = faster). The simulated devices share "
+        f"the machine's cores and every collective is a memory copy, so these ratios say little about "
+        f"accelerators (and other jobs on the machine move them by ±30%); what matters is that the meshes run "
+        f"the same SPMD program a TPU or GPU mesh runs, with equal results (tests/test_sharding.py).\n\n"
+        f"| run | train step | speed | sampler decode | speed | compile (train / sampler) |\n"
+        f"|---|---|---|---|---|---|\n{rows}\n")
+    print(section)
+    if not args.no_write:
+        write_section(section)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,405 @@
+"""`python -m marljax.matrix`: the paper's experiment matrix as run configs, with a per-cell memory and
+step-time estimate for an accelerator, the mesh each cell would use, and a plan to run them.
+
+    python -m marljax.matrix --dry-run [--accelerator v5e-8|v4-8|h100|h200|cpu] [--slices K]
+    python -m marljax.matrix [--accelerator …] [--out DIR]          # DIR/<cell>.yaml + DIR/plan.md
+    python -m marljax.matrix --cell voting-math-qwen3-1.7b-isolated --out DIR   # prints the YAML path
+
+42 cells: {eval_opt, voting, orch_workers} × {math, code} × {qwen3-0.6b, 1.7b, 4b} × {shared,
+isolated}, plus single-agent × {math, code} × the three models. Hyperparameters are SPEC §1's.
+
+The estimates are an explicit model, per chip, stated so they can be checked:
+  memory  base weights (bfloat16; sharded over fsdp × tensor, replicated over data) + LoRA float32
+          × parameter sets + Adam moments (2 × LoRA) + per-role LoRA gradients + train activations
+          or the sampler's KV cache, whichever is larger (training and sampling alternate). The KV
+          budget left over becomes `sampling.max_cache_tokens`. Activations assume what the paper's
+          lengths need from a trainer: micro-batches of one row per chip, layer rematerialisation,
+          a flash-style attention (no T² scores) and log-probs in chunks of 1,024 positions.
+  time    roofline with efficiencies: decode step = max(bytes / (HBM × 0.6), FLOPs / (peak × 0.4))
+          + the FSDP weight all-gather over ICI; every sampler chunk runs all 5,120 decode steps (a
+          batch ends with its longest sequence) and every stage runs its full iteration count; train
+          FLOPs = 8·N·tokens (forward, recompute, backward to activations; LoRA has no base weight
+          gradient) on the padded rows `rl.step.pack` builds, at 40% of peak. Upper bounds.
+The mesh replicates the frozen base over `data` when it takes ≤ 25% of HBM, else shards it over the
+fewest `fsdp` ranks that bring it there. The plan runs cells longest-first on `--slices` slices.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import pathlib
+import sys
+
+import yaml
+
+from marljax.config import Config, MeshConfig, to_dict
+from marljax.models.decoder import LINEAR_AXES, ModelConfig
+from marljax.models.presets import PRESETS
+from marljax.rl.step import length_bucket
+from marljax.sampling import bucket
+
+WORKFLOWS = ("eval_opt", "voting", "orch_workers")
+TASKS = {"math": "dapo_math", "code": "deepcoder"}
+MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b")
+POLICIES = ("shared", "isolated")
+ROLES = {"single": ("generator",), "eval_opt": ("generator", "evaluator"),
+         "voting": ("generator", "aggregator"), "orch_workers": ("orchestrator", "worker", "synthesizer")}
+
+# The paper's setup (SPEC §1).
+PROBLEMS, ROLLOUTS, MAX_RESPONSE, MINIBATCH, STEPS, EVAL_EVERY = 64, 8, 5120, 512, 300, 10
+EVAL_N = {"math": 1412, "code": 1000}  # held-out problems
+ITERATIONS = {"math": 3, "code": 2}  # Eval-Opt
+N_VOTES = MAX_SUBTASKS = 3
+LORA_RANK, LORA_ALPHA = 64, 32.0
+
+# Length assumptions (tokens): a problem prompt with chat template and the empty think block; one
+# Orch-Workers strategy line.
+PROMPT_TOKENS = {"math": 300, "code": 900}
+STRATEGY_TOKENS = 128
+
+# Model efficiencies and budgets (see the module docstring).
+MFU, HBM_EFFICIENCY, HBM_USABLE, BASE_BUDGET = 0.4, 0.6, 0.9, 0.25
+LOGIT_CHUNK = 1024  # response positions per log-prob chunk
+LORA_BYTES = 4  # adapters, their gradients and Adam moments are float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """One slice or host: per-chip peak bf16 FLOP/s, HBM size and bandwidth, ICI bandwidth."""
+
+    name: str
+    chips: int
+    hbm_gb: float
+    tflops: float
+    hbm_gbs: float
+    ici_gbs: float
+    dtype: str = "bfloat16"
+
+
+ACCELERATORS = {
+    "v5e-8": Accelerator("v5e-8", 8, 16, 197, 819, 200),
+    "v4-8": Accelerator("v4-8", 4, 32, 275, 1228, 300),  # 4 chips (8 TensorCores)
+    "h100": Accelerator("h100", 8, 80, 989, 3350, 450),
+    "h200": Accelerator("h200", 8, 141, 989, 4800, 450),
+    # this project's 2-core CPU box: measured XLA float32 matmul rate; bandwidth assumed
+    "cpu": Accelerator("cpu", 1, 24, 0.09, 20, 1, dtype="float32"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One sequential round of role calls: `calls` per episode, each with a prompt of ≤ `prompt` tokens."""
+
+    role: str
+    calls: int
+    prompt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    workflow: str
+    task: str
+    model: str
+    policy: str  # shared | isolated (single-agent: shared)
+
+    @property
+    def name(self) -> str:
+        if self.workflow == "single":
+            return f"single-{self.task}-{self.model}"
+        return f"{self.workflow}-{self.task}-{self.model}-{self.policy}"
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return ROLES[self.workflow]
+
+    @property
+    def n_sets(self) -> int:
+        return len(self.roles) if self.policy == "isolated" else 1
+
+    def stages(self) -> list[Stage]:
+        """The cell's sampler rounds per episode, longest case (every iteration runs)."""
+        q, r = PROMPT_TOKENS[self.task], MAX_RESPONSE
+        if self.workflow == "single":
+            return [Stage("generator", 1, q)]
+        if self.workflow == "voting":
+            return [Stage("generator", N_VOTES, q), Stage("aggregator", 1, q + N_VOTES * r)]
+        if self.workflow == "orch_workers":
+            s = STRATEGY_TOKENS
+            return [Stage("orchestrator", 1, q), Stage("worker", MAX_SUBTASKS, q + s),
+                    Stage("synthesizer", 1, q + MAX_SUBTASKS * (r + s))]
+        out = []  # eval_opt: generator k sees k solutions and k verdicts; evaluator k one more solution
+        for k in range(ITERATIONS[self.task]):
+            out += [Stage("generator", 1, q + 2 * k * r), Stage("evaluator", 1, q + (2 * k + 1) * r)]
+        return out
+
+
+def cells() -> list[Cell]:
+    """The 42 cells: 36 multi-agent, then 6 single-agent."""
+    out = [Cell(w, t, m, p) for w in WORKFLOWS for t in TASKS for m in MODELS for p in POLICIES]
+    return out + [Cell("single", t, m, "shared") for t in TASKS for m in MODELS]
+
+
+# ---- sizes ----------------------------------------------------------------------------------------
+def dtype_bytes(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2}[dtype]
+
+
+def lora_params(cfg: ModelConfig, rank: int) -> int:
+    """Parameters of one LoRA set on every linear map of every layer."""
+    total = 0
+    for name in LINEAR_AXES:
+        ins, outs = cfg.linear_shape(name)
+        total += cfg.num_layers * rank * (math.prod(ins) + math.prod(outs))
+    return total
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights one token multiplies through (linear maps and the output projection)."""
+    per_layer = sum(math.prod(cfg.linear_shape(n)[0]) * math.prod(cfg.linear_shape(n)[1]) for n in LINEAR_AXES)
+    return cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes per chip."""
+
+    base: float
+    lora: float
+    optimizer: float
+    grads: float
+    activations: float
+    kv_cache: float
+
+    @property
+    def peak(self) -> float:
+        return self.base + self.lora + self.optimizer + max(self.grads + self.activations, self.kv_cache)
+
+
+def memory(cfg: ModelConfig, *, dtype: str, n_sets: int, n_roles: int, rank: int,
+           mesh: tuple[int, int, int], cache_rows: int, cache_len: int, train_rows: int,
+           train_len: int, response_len: int) -> Memory:
+    """The memory model of the module docstring; `cache_rows`/`train_rows` are global row counts."""
+    data, fsdp, tensor = mesh
+    shard = fsdp * tensor
+    kv_tensor = tensor if cfg.num_kv_heads % tensor == 0 else 1
+    rows_chip = lambda rows: rows / (data * fsdp) if rows % (data * fsdp) == 0 else rows  # noqa: E731
+    lora_set = lora_params(cfg, rank) * LORA_BYTES / shard
+    b = dtype_bytes(dtype)
+    d, f, h, k, dh = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    m = rows_chip(train_rows)
+    residuals = cfg.num_layers * m * train_len * d * b
+    layer = 2 * m * train_len * (4 * d + 2 * (h + 2 * k) * dh + 3 * f) * b / tensor
+    logits = 3 * m * min(response_len, LOGIT_CHUNK) * cfg.vocab_size * 4 / tensor
+    return Memory(
+        base=cfg.num_params() * b / shard,
+        lora=n_sets * lora_set,
+        optimizer=2 * n_sets * lora_set,
+        grads=n_roles * lora_set,
+        activations=residuals + layer + logits,
+        kv_cache=rows_chip(cache_rows) * cache_len * kv_bytes_per_token(cfg, dtype) / kv_tensor)
+
+
+# ---- per-cell estimate ----------------------------------------------------------------------------
+def choose_mesh(cfg: ModelConfig, acc: Accelerator) -> tuple[int, int, int]:
+    """(data, fsdp, tensor): replicate the frozen base unless it takes > BASE_BUDGET of HBM."""
+    base = cfg.num_params() * dtype_bytes(acc.dtype)
+    fsdp = 1
+    while fsdp < acc.chips and base / fsdp > BASE_BUDGET * acc.hbm_gb * 1e9:
+        fsdp *= 2
+    return acc.chips // fsdp, fsdp, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    cell: Cell
+    mesh: tuple[int, int, int]
+    memory: Memory
+    max_cache_tokens: int
+    fits: bool
+    sample_s: float  # per training step
+    train_s: float
+    eval_s: float  # one evaluation
+    steps: int
+
+    @property
+    def run_hours(self) -> float:
+        evals = self.steps // EVAL_EVERY + 1
+        return (self.steps * (self.sample_s + self.train_s) + evals * self.eval_s) / 3600
+
+
+def _sampling_seconds(cell: Cell, cfg: ModelConfig, acc: Accelerator, mesh, episodes: int,
+                      max_cache_tokens: int) -> float:
+    data, fsdp, tensor = mesh
+    b = dtype_bytes(acc.dtype)
+    weights = cfg.num_params() * b / tensor + lora_params(cfg, LORA_RANK) * LORA_BYTES / (fsdp * tensor)
+    gather = (fsdp - 1) / fsdp * cfg.num_params() * b / tensor / (acc.ici_gbs * 1e9)
+    n_matmul = matmul_params(cfg)
+    total = 0.0
+    for st in cell.stages():
+        rows, p = episodes * st.calls, bucket(st.prompt, 16)
+        length = p + MAX_RESPONSE
+        chunk = min(bucket(rows), 1 << max(0, (max_cache_tokens // length).bit_length() - 1))
+        chips_on_batch = data * fsdp if chunk % (data * fsdp) == 0 else 1
+        rows_chip = chunk / chips_on_batch
+        ctx = p + MAX_RESPONSE / 2
+        step_bytes = weights + rows_chip * ctx * kv_bytes_per_token(cfg, acc.dtype) / tensor
+        step_flops = rows_chip * (2 * n_matmul + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx) / tensor
+        step = max(step_bytes / (acc.hbm_gbs * 1e9 * HBM_EFFICIENCY),
+                   step_flops / (acc.tflops * 1e12 * MFU)) + gather
+        prefill = rows_chip * p * 2 * n_matmul / tensor / (acc.tflops * 1e12 * MFU)
+        total += math.ceil(rows / chunk) * (MAX_RESPONSE * step + prefill)
+    return total
+
+
+def _train_seconds(cell: Cell, cfg: ModelConfig, acc: Accelerator) -> float:
+    """One training step's update FLOPs on the padded rows `train_batch` builds, at MFU of peak."""
+    episodes = PROBLEMS * ROLLOUTS
+    n_matmul = matmul_params(cfg)
+    attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+    samples = {r: episodes * sum(s.calls for s in cell.stages() if s.role == r) for r in cell.roles}
+    sets = {r: (r if cell.policy == "isolated" else "shared") for r in cell.roles}
+    per_set = {s: sum(n for r, n in samples.items() if sets[r] == s) for s in set(sets.values())}
+    chunks = {s: math.ceil(n / MINIBATCH) for s, n in per_set.items()}  # paper mini-batching
+    recompute_old = max(chunks.values()) > 1  # old log-probs before the first update
+    flops = 0.0
+    for role, n in samples.items():
+        k = chunks[sets[role]]
+        rows = k * bucket(math.ceil(n / k))
+        length = length_bucket(max(s.prompt for s in cell.stages() if s.role == role) + MAX_RESPONSE + 1)
+        per_token = 8 * n_matmul + 3 * attn * length  # forward, recompute, backward to activations
+        if recompute_old:
+            per_token += 2 * n_matmul + attn * length
+        flops += rows * length * per_token
+    return flops / (acc.chips * acc.tflops * 1e12 * MFU)
+
+
+def estimate(cell: Cell, acc: Accelerator, steps: int = STEPS) -> Estimate:
+    cfg = PRESETS[cell.model]
+    mesh = choose_mesh(cfg, acc)
+    data, fsdp, tensor = mesh
+    longest = max(length_bucket(s.prompt + MAX_RESPONSE + 1) for s in cell.stages())
+    fixed = memory(cfg, dtype=acc.dtype, n_sets=cell.n_sets, n_roles=len(cell.roles), rank=LORA_RANK,
+                   mesh=mesh, cache_rows=0, cache_len=0, train_rows=data * fsdp, train_len=longest,
+                   response_len=MAX_RESPONSE)
+    free = HBM_USABLE * acc.hbm_gb * 1e9 - (fixed.base + fixed.lora + fixed.optimizer)
+    kv_tensor = tensor if cfg.num_kv_heads % tensor == 0 else 1
+    max_cache_tokens = max(0, int(free * data * fsdp * kv_tensor / kv_bytes_per_token(cfg, acc.dtype)))
+    max_cache_tokens -= max_cache_tokens % 1024
+    biggest = max(s.calls * PROBLEMS * ROLLOUTS * (bucket(s.prompt, 16) + MAX_RESPONSE) for s in cell.stages())
+    max_cache_tokens = min(max_cache_tokens, biggest)
+    cache_len = bucket(max(s.prompt for s in cell.stages()), 16) + MAX_RESPONSE
+    cache_rows = 1 << max(0, (max_cache_tokens // cache_len).bit_length() - 1)
+    mem = dataclasses.replace(fixed, kv_cache=memory(
+        cfg, dtype=acc.dtype, n_sets=cell.n_sets, n_roles=len(cell.roles), rank=LORA_RANK, mesh=mesh,
+        cache_rows=cache_rows, cache_len=cache_len, train_rows=0, train_len=0, response_len=0).kv_cache)
+    fits = mem.peak <= HBM_USABLE * acc.hbm_gb * 1e9 and max_cache_tokens >= cache_len
+    episodes = PROBLEMS * ROLLOUTS
+    return Estimate(cell=cell, mesh=mesh, memory=mem, max_cache_tokens=max_cache_tokens, fits=fits,
+                    sample_s=_sampling_seconds(cell, cfg, acc, mesh, episodes, max_cache_tokens),
+                    train_s=_train_seconds(cell, cfg, acc),
+                    eval_s=_sampling_seconds(cell, cfg, acc, mesh, EVAL_N[cell.task], max_cache_tokens),
+                    steps=steps)
+
+
+# ---- configs and plan -----------------------------------------------------------------------------
+def cell_config(est: Estimate, acc: Accelerator, data_root: str = "data") -> Config:
+    """The run config of a cell, with SPEC §1's hyperparameters and the estimate's mesh and KV cap."""
+    c, cfg = est.cell, Config()
+    cfg.model, cfg.dtype, cfg.policy, cfg.steps, cfg.seed = c.model, acc.dtype, c.policy, est.steps, 0
+    cfg.run_dir = f"runs/matrix/{c.name}"
+    cfg.task.name = TASKS[c.task]
+    cfg.task.path = f"{data_root}/{'dapo-math-17k' if c.task == 'math' else 'deepcoder'}"
+    cfg.task.eval_n = EVAL_N[c.task]
+    cfg.workflow.name, cfg.workflow.n_votes, cfg.workflow.max_subtasks = c.workflow, N_VOTES, MAX_SUBTASKS
+    cfg.workflow.max_iterations = ITERATIONS[c.task] if c.workflow == "eval_opt" else None
+    s = cfg.sampling
+    s.max_new_tokens, s.temperature, s.top_p, s.top_k = MAX_RESPONSE, 0.7, 1.0, 0
+    s.max_cache_tokens = est.max_cache_tokens
+    rl = cfg.rl
+    rl.problems_per_step, rl.rollouts, rl.group_preset, rl.reward_routing = PROBLEMS, ROLLOUTS, "paper", "broadcast"
+    rl.estimator, rl.clip_low, rl.clip_high, rl.dual_clip = "grpo", 0.2, 0.28, 3.0
+    rl.agg, rl.minibatch, rl.minibatch_size = "seq_mean_token_mean", "paper", MINIBATCH
+    o = cfg.optim
+    o.lr, o.warmup_steps, o.schedule, o.weight_decay, o.b1, o.b2, o.grad_clip = 2e-5, 15, "cosine", 0.01, 0.9, 0.999, 1.0
+    cfg.lora.enabled, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets = True, LORA_RANK, LORA_ALPHA, ["all-linear"]
+    cfg.eval.every, cfg.eval.temperature, cfg.eval.k, cfg.eval.at_start = EVAL_EVERY, 0.7, 1, True
+    cfg.checkpoint.every, cfg.checkpoint.keep = EVAL_EVERY, 2
+    data, fsdp, tensor = est.mesh
+    cfg.mesh = MeshConfig(data=data, fsdp=fsdp, tensor=tensor, rules="auto", lora="sharded")
+    return cfg
+
+
+def plan(estimates: list[Estimate], slices: int) -> dict[str, int]:
+    """Cell name -> slice index: longest run first onto the least loaded slice."""
+    load = [0.0] * slices
+    out = {}
+    for e in sorted(estimates, key=lambda e: -e.run_hours):
+        i = min(range(slices), key=load.__getitem__)
+        out[e.cell.name] = i
+        load[i] += e.run_hours
+    return out
+
+
+def table(estimates: list[Estimate], acc: Accelerator, slices: int) -> str:
+    where = plan(estimates, slices)
+    gb = lambda x: f"{x / 1e9:6.2f}"  # noqa: E731
+    head = (f"{'cell':38} sets mesh(d,f,t)  base   lora    opt  grads    act     kv   peak  fits "
+            f"cache_tok  sample_s train_s  run_h slice")
+    lines = [f"# accelerator {acc.name}: {acc.chips} chips × {acc.hbm_gb} GB HBM, {acc.tflops} TFLOP/s, "
+             f"{acc.hbm_gbs} GB/s HBM, {acc.ici_gbs} GB/s ICI; {acc.dtype} base; memory in GB per chip; "
+             f"times are roofline upper bounds (MFU {MFU}, HBM efficiency {HBM_EFFICIENCY})", head]
+    for e in estimates:
+        m = e.memory
+        lines.append(f"{e.cell.name:38} {e.cell.n_sets:4d} {str(e.mesh):12} {gb(m.base)} {gb(m.lora)} "
+                     f"{gb(m.optimizer)} {gb(m.grads)} {gb(m.activations)} {gb(m.kv_cache)} {gb(m.peak)} "
+                     f"{'yes' if e.fits else 'NO':>4} {e.max_cache_tokens:10d} {e.sample_s:9.0f} "
+                     f"{e.train_s:7.0f} {e.run_hours:6.1f} {where[e.cell.name]:5d}")
+    per_slice = [sum(e.run_hours for e in estimates if where[e.cell.name] == i) for i in range(slices)]
+    lines.append(f"# plan: {len(estimates)} cells on {slices} slice(s) "
+                 f"({'in parallel, ' if slices > 1 else 'serially, '}longest first): wall-clock ≈ "
+                 f"{max(per_slice):.0f} h; per slice {', '.join(f'{h:.0f} h' for h in per_slice)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m marljax.matrix", description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="print the table (one row per cell); write nothing")
+    ap.add_argument("--accelerator", default="v5e-8", choices=sorted(ACCELERATORS))
+    ap.add_argument("--out", default="runs/matrix", help="where the cell configs and plan.md go")
+    ap.add_argument("--cell", help="only this cell: write its config and print the file's path")
+    ap.add_argument("--slices", type=int, default=1, help="slices (or hosts) running cells in parallel")
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--data-root", default="data", help="directory holding dapo-math-17k/ and deepcoder/")
+    args = ap.parse_args(argv)
+    if args.slices < 1:
+        ap.error("--slices must be ≥ 1")
+    acc = ACCELERATORS[args.accelerator]
+    chosen = cells()
+    if args.cell:
+        chosen = [c for c in chosen if c.name == args.cell]
+        if not chosen:
+            ap.error(f"unknown cell {args.cell!r}; `python -m marljax.matrix --dry-run` lists them.")
+    estimates = [estimate(c, acc, args.steps) for c in chosen]
+    if args.dry_run:
+        print(table(estimates, acc, args.slices))
+        return
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for e in estimates:
+        path = out / f"{e.cell.name}.yaml"
+        path.write_text(f"# marljax.matrix cell {e.cell.name} for {acc.name}\n"
+                        + yaml.safe_dump(to_dict(cell_config(e, acc, args.data_root)), sort_keys=False))
+        if args.cell:
+            print(path)
+    if not args.cell:
+        (out / "plan.md").write_text("```\n" + table(estimates, acc, args.slices) + "\n```\n")
+        print(f"{len(estimates)} configs and plan.md in {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The experiment matrix: 42 cells with the paper's hyperparameters, loadable configs, and a memory
+formula that matches the live device memory of a tiny-scale Qwen3-0.6B-shaped run."""
+import dataclasses
+
+import jax
+import pytest
+from flax import nnx
+
+from marljax import matrix
+from marljax.config import load_config
+from marljax.models.decoder import Decoder, init_cache
+from marljax.models.presets import PRESETS
+from marljax.rl.lora import LoRAConfig, init_lora
+from marljax.rl.step import make_optimizer
+
+
+def test_dry_run_prints_one_row_per_cell(capsys):
+    matrix.main(["--dry-run", "--accelerator", "h100", "--slices", "3"])
+    out = capsys.readouterr().out.splitlines()
+    names = [c.name for c in matrix.cells()]
+    assert len(names) == len(set(names)) == 42
+    rows = [line for line in out if line.split(" ", 1)[0] in names]
+    assert len(rows) == 42
+    assert sum(n.startswith("single-") for n in names) == 6
+    assert sum(n.endswith("-isolated") for n in names) == 18
+    assert "plan: 42 cells on 3 slice(s)" in out[-1]
+
+
+def test_cell_configs_carry_the_paper_setup(tmp_path):
+    matrix.main(["--accelerator", "v5e-8", "--out", str(tmp_path)])
+    files = sorted(tmp_path.glob("*.yaml"))
+    assert len(files) == 42 and (tmp_path / "plan.md").exists()
+    cfg = load_config(str(tmp_path / "voting-math-qwen3-1.7b-isolated.yaml"))
+    assert (cfg.model, cfg.policy, cfg.workflow.name, cfg.task.name) == ("qwen3-1.7b", "isolated", "voting",
+                                                                          "dapo_math")
+    assert (cfg.rl.problems_per_step, cfg.rl.rollouts, cfg.rl.minibatch, cfg.rl.minibatch_size) == (64, 8, "paper", 512)
+    assert (cfg.rl.clip_low, cfg.rl.clip_high, cfg.rl.dual_clip) == (0.2, 0.28, 3.0)
+    assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.schedule) == (2e-5, 15, "cosine")
+    assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets) == (64, 32.0, ["all-linear"])
+    assert (cfg.sampling.temperature, cfg.sampling.max_new_tokens, cfg.eval.every, cfg.steps) == (0.7, 5120, 10, 300)
+    assert cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor == 8 and cfg.sampling.max_cache_tokens > 0
+    code = load_config(str(tmp_path / "eval_opt-code-qwen3-4b-shared.yaml"))
+    assert code.task.name == "deepcoder" and code.workflow.max_iterations == 2
+
+
+def test_cell_option_prints_the_config_path(tmp_path, capsys):
+    matrix.main(["--cell", "single-code-qwen3-0.6b", "--out", str(tmp_path)])
+    assert capsys.readouterr().out.strip() == str(tmp_path / "single-code-qwen3-0.6b.yaml")
+    with pytest.raises(SystemExit):
+        matrix.main(["--cell", "no-such-cell", "--out", str(tmp_path)])
+
+
+def _live_bytes() -> int:
+    return sum(x.nbytes for x in jax.live_arrays())
+
+
+def test_memory_formula_matches_a_tiny_qwen3_run():
+    """Qwen3-0.6B widths and vocabulary with 2 layers, bfloat16 base, two rank-64 LoRA sets with Adam,
+    a 4 × 512 KV cache: the live device bytes match the formula within 20% (term by term)."""
+    cfg = dataclasses.replace(PRESETS["qwen3-0.6b"], num_layers=2, dtype="bfloat16")
+    lora, sets, rows, length = LoRAConfig(rank=matrix.LORA_RANK, alpha=matrix.LORA_ALPHA), 2, 4, 512
+    est = matrix.memory(cfg, dtype="bfloat16", n_sets=sets, n_roles=2, rank=lora.rank, mesh=(1, 1, 1),
+                        cache_rows=rows, cache_len=length, train_rows=0, train_len=0, response_len=0)
+    measured = {}
+    start = _live_bytes()
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    measured["base"] = _live_bytes() - start
+    adapters = [init_lora(cfg, lora, jax.random.key(i)) for i in range(sets)]
+    measured["lora"] = _live_bytes() - start - measured["base"]
+    opt = make_optimizer()
+    states = [opt.init(a) for a in adapters]
+    measured["optimizer"] = _live_bytes() - start - measured["base"] - measured["lora"]
+    cache = init_cache(cfg, rows, length)
+    measured["kv_cache"] = _live_bytes() - start - sum(measured.values())
+    for term, value in measured.items():
+        assert getattr(est, term) == pytest.approx(value, rel=0.2), term
+    total = est.base + est.lora + est.optimizer + est.kv_cache
+    assert total == pytest.approx(sum(measured.values()), rel=0.2)
+    del model, adapters, states, cache
+
+
+def test_mesh_choice_replicates_small_bases_and_shards_large_ones():
+    assert matrix.choose_mesh(PRESETS["qwen3-0.6b"], matrix.ACCELERATORS["v5e-8"]) == (8, 1, 1)
+    assert matrix.choose_mesh(PRESETS["qwen3-4b"], matrix.ACCELERATORS["v5e-8"]) == (2, 4, 1)
+    assert matrix.choose_mesh(PRESETS["qwen3-4b"], matrix.ACCELERATORS["h200"]) == (8, 1, 1)
