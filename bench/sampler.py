@@ -22,20 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from marljax.models import load_model
+from roofline import matmul_gflops  # bench/ is on sys.path when a script here runs
 from marljax.models.loading import smollm2_gguf_path
 from marljax.sampling import SamplingParams, generate
 
 PROMPT, NEW = 64, 64
-
-
-def matmul_gflops(n=1024, reps=10) -> float:
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    t = time.perf_counter()
-    for _ in range(reps):
-        f(a).block_until_ready()
-    return 2 * n ** 3 * reps / (time.perf_counter() - t) / 1e9
 
 
 def flops_per_token(cfg, context: int) -> float:

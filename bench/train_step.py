@@ -18,18 +18,9 @@ import jax
 import numpy as np
 
 from marljax.models import load_model
+from roofline import matmul_gflops  # bench/ is on sys.path when a script here runs
 from marljax.rl.lora import LoRAConfig, init_lora
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack
-
-
-def matmul_gflops(n=1024, reps=10) -> float:
-    a = jax.numpy.ones((n, n), jax.numpy.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    t = time.perf_counter()
-    for _ in range(reps):
-        f(a).block_until_ready()
-    return 2 * n ** 3 * reps / (time.perf_counter() - t) / 1e9
 
 
 def step_flops(cfg, n_tokens: int, length: int, full: bool) -> float:

@@ -24,45 +24,31 @@ from collections.abc import Callable, Collection, Hashable
 
 import numpy as np
 
+from marljax.rl.registry import Registry
+
 GroupKeyFn = Callable[..., Hashable]  # (problem, rollout, role, slot, turn, *, split_slots) -> key
 EstimatorFn = Callable[[np.ndarray, "AdvantageConfig"], np.ndarray]  # group rewards (n >= 2) -> adv
 
-_GROUP_KEYS: dict[str, GroupKeyFn] = {}
-_ESTIMATORS: dict[str, EstimatorFn] = {}
-
-
-def _register(table: dict, kind: str, name: str):
-    def deco(fn):
-        if name in table:
-            raise ValueError(f"{kind} {name!r} is already registered.")
-        table[name] = fn
-        return fn
-    return deco
-
-
-def _get(table: dict, kind: str, name: str):
-    try:
-        return table[name]
-    except KeyError:
-        raise KeyError(f"unknown {kind} {name!r}; registered: {sorted(table)}") from None
+_GROUP_KEYS: Registry[GroupKeyFn] = Registry("group key")
+_ESTIMATORS: Registry[EstimatorFn] = Registry("advantage estimator")
 
 
 def register_group_key(name: str):
     """Decorator: register `fn(problem, rollout, role, slot, turn, *, split_slots) -> hashable key`."""
-    return _register(_GROUP_KEYS, "group key", name)
+    return _GROUP_KEYS.register(name)
 
 
 def get_group_key(name: str) -> GroupKeyFn:
-    return _get(_GROUP_KEYS, "group key", name)
+    return _GROUP_KEYS.get(name)
 
 
 def register_estimator(name: str):
     """Decorator: register `fn(rewards_of_one_group, cfg) -> advantages`, called for groups of ≥ 2."""
-    return _register(_ESTIMATORS, "advantage estimator", name)
+    return _ESTIMATORS.register(name)
 
 
 def get_estimator(name: str) -> EstimatorFn:
-    return _get(_ESTIMATORS, "advantage estimator", name)
+    return _ESTIMATORS.get(name)
 
 
 @register_group_key("paper")

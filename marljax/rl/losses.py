@@ -17,59 +17,44 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from marljax.rl.registry import Registry
+
 Array = jax.Array
 # (logp_bt, old_logp_bt, adv_b, cfg) -> (loss_bt, {name: indicator_bt}); the indicators become metrics.
 PolicyLossFn = Callable[[Array, Array, Array, "LossConfig"], tuple[Array, dict[str, Array]]]
 AggregationFn = Callable[[Array, Array], tuple[Array, Array]]  # (loss_bt, mask_bt) -> (seq_b, denom)
 KLFn = Callable[[Array, Array], Array]  # (logp_bt, ref_logp_bt) -> kl_bt
 
-_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-_AGGREGATIONS: dict[str, AggregationFn] = {}
-_KL_ESTIMATORS: dict[str, KLFn] = {}
-
-
-def _register(table: dict, kind: str, *names: str):
-    def deco(fn):
-        for name in names:
-            if name in table:
-                raise ValueError(f"{kind} {name!r} is already registered.")
-            table[name] = fn
-        return fn
-    return deco
-
-
-def _get(table: dict, kind: str, name: str):
-    try:
-        return table[name]
-    except KeyError:
-        raise KeyError(f"unknown {kind} {name!r}; registered: {sorted(table)}") from None
+_POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+_AGGREGATIONS: Registry[AggregationFn] = Registry("loss aggregation")
+_KL_ESTIMATORS: Registry[KLFn] = Registry("KL estimator")
 
 
 def register_policy_loss(name: str):
     """Decorator: `fn(logp_bt, old_logp_bt, adv_b, cfg) -> (loss_bt, indicators_bt)`."""
-    return _register(_POLICY_LOSSES, "policy loss", name)
+    return _POLICY_LOSSES.register(name)
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
-    return _get(_POLICY_LOSSES, "policy loss", name)
+    return _POLICY_LOSSES.get(name)
 
 
 def register_aggregation(name: str):
     """Decorator: `fn(loss_bt, mask_bt) -> (seq_b, denom)`; must be linear in `loss_bt`."""
-    return _register(_AGGREGATIONS, "loss aggregation", name)
+    return _AGGREGATIONS.register(name)
 
 
 def get_aggregation(name: str) -> AggregationFn:
-    return _get(_AGGREGATIONS, "loss aggregation", name)
+    return _AGGREGATIONS.get(name)
 
 
 def register_kl_estimator(*names: str):
     """Decorator: `fn(logp_bt, ref_logp_bt) -> kl_bt`, an estimate of KL(π‖ref) on samples of π."""
-    return _register(_KL_ESTIMATORS, "KL estimator", *names)
+    return _KL_ESTIMATORS.register(*names)
 
 
 def get_kl_estimator(name: str) -> KLFn:
-    return _get(_KL_ESTIMATORS, "KL estimator", name)
+    return _KL_ESTIMATORS.get(name)
 
 
 @dataclasses.dataclass(frozen=True)
