@@ -162,8 +162,10 @@ class Decoder(nnx.Module):
         """Final norm + (tied) output projection, float32 logits."""
         c = self.config
         h = rms_norm(h_btd, self.final_norm[...], c.rms_norm_eps)
-        w = self.embed[...].T if c.tie_embeddings else self.lm_head[...]
-        logits = jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+        if c.tie_embeddings:  # contract with the [V, D] table as stored: no transposed copy per call
+            logits = jnp.einsum("...d,vd->...v", h, self.embed[...], preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", *("length",) * (logits.ndim - 2), "act_vocab"))
 
     def hidden(self, tokens_bt, positions_bt=None, *, cache=None, lora=None, lora_scale=1.0,
