@@ -91,9 +91,13 @@ def plot_run(run_dir: pathlib.Path, out_dir: pathlib.Path) -> list[pathlib.Path]
     paths.append(_save(fig, out_dir / f"{name}_accuracy.png"))
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    norms = []
     for role in _roles(records, "/grad_norm"):
-        a1.plot(*_series(records, f"role/{role}/grad_norm"), label=role)
-    a1.set(title="per-role gradient norm ‖g_r‖", xlabel="training step", ylabel="L2 norm", yscale="log")
+        steps_r, norm_r = _series(records, f"role/{role}/grad_norm")
+        a1.plot(steps_r, norm_r, label=role)
+        norms += norm_r
+    a1.set(title="per-role gradient norm ‖g_r‖", xlabel="training step", ylabel="L2 norm",
+           yscale="log" if any(n > 0 for n in norms) else "linear")  # all-zero: no signal yet
     a1.legend(fontsize=8)
     for role in _roles(records, "/grad_share"):
         a2.plot(*_series(records, f"role/{role}/grad_share"), label=role)

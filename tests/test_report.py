@@ -1,0 +1,47 @@
+"""The report's table equals what a synthetic metrics.jsonl with a known peak, final and cliff implies."""
+import json
+
+import yaml
+
+from marljax.report import summarize, table, write_report
+
+
+def _run(tmp_path, name, accs, policy="shared", steps=10):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.yaml").write_text(yaml.safe_dump({
+        "model": "tiny-qwen3", "policy": policy, "steps": steps, "workflow": {"name": "voting"},
+        "task": {"name": "arith"}, "diagnostics": {"cliff_drop": 0.05, "cliff_window": 0.25}}))
+    lines = []
+    for step in range(steps + 1):
+        r = {"step": step, "reward/mean": 0.1 * step, "role/generator/grad_norm": 1.0 + step,
+             "role/aggregator/grad_norm": 0.5, "role/generator/grad_share": 0.75, "role/aggregator/grad_share": 0.25,
+             "role/generator/length_mean": 60.0, "role/aggregator/length_mean": 5.0 + step,
+             "role/generator/parse_fail": 0.2, "role/aggregator/parse_fail": 0.1, "set/shared/opt_steps": 1,
+             "diag/dominant_role": "generator", "diag/dominant_share": 0.75}
+        if step in accs:
+            r["eval/pass@1"] = accs[step]
+        lines.append(json.dumps(r))
+    (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return d
+
+
+def test_table_numbers_come_from_metrics(tmp_path):
+    cliff = _run(tmp_path, "cliff", {0: 0.30, 2: 0.40, 4: 0.55, 6: 0.60, 8: 0.58, 10: 0.35})
+    steady = _run(tmp_path, "steady", {0: 0.30, 5: 0.45, 10: 0.50}, policy="isolated")
+    s = summarize(cliff)
+    assert (s["base"], s["peak"], s["peak_step"], s["final"]) == (0.30, 0.60, 6, 0.35)
+    assert abs(s["delta"] - 0.05) < 1e-12 and s["cliff"] is True
+    assert s["dominant_role"] == "generator" and s["cell"] == "voting/arith/tiny-qwen3/shared"
+    t = summarize(steady)
+    assert (t["peak"], t["peak_step"], t["final"], t["cliff"]) == (0.50, 10, 0.50, False)
+    md = table([s, t])
+    assert "| cliff | voting/arith/tiny-qwen3/shared | 0.300 | 0.600 (6) | 0.350 | 0.050 | yes | generator (0.75) |" in md
+    assert "| steady | voting/arith/tiny-qwen3/isolated | 0.300 | 0.500 (10) | 0.500 | 0.200 | no |" in md
+    report = write_report([cliff, steady], tmp_path / "out")
+    text = report.read_text()
+    assert md in text
+    for name in ("cliff", "steady"):
+        for kind in ("accuracy", "gradients", "roles"):
+            png = tmp_path / "out" / f"{name}_{kind}.png"
+            assert png.exists() and png.stat().st_size > 10_000
