@@ -194,8 +194,9 @@ class Decoder(nnx.Module):
         if kv_mask_bs is not None:
             mask_bts = mask_bts & kv_mask_bs[:, None, :]
 
-        def block(x, xs):
-            p, lora_l, cache_l = xs
+        def block(carry, xs):
+            x, cache = carry
+            p, lora_l, layer = xs
             h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
             q = constrain(linear(h, p["wq"], "wq", lora_l, lora_scale, 1), _HEADS)
             k = constrain(linear(h, p["wk"], "wk", lora_l, lora_scale, 1), _KV_HEADS)
@@ -205,12 +206,14 @@ class Decoder(nnx.Module):
                 k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
             q = rope(q, positions_bt, c.rope_theta)
             k = rope(k, positions_bt, c.rope_theta)
-            if cache_l is not None:
-                start_b = positions_bt[:, 0]
-                write = jax.vmap(lambda buf, new, s: jax.lax.dynamic_update_slice_in_dim(
-                    buf, new.astype(buf.dtype), s, axis=0))
-                cache_l = {"k": write(cache_l["k"], k, start_b), "v": write(cache_l["v"], v, start_b)}
-                k, v = cache_l["k"], cache_l["v"]
+            if cache is not None:
+                # Scatter the new tokens into the carried cache: XLA updates it in place, so a decode step
+                # writes B·T entries per layer instead of rewriting the whole cache.
+                rows_bt = jnp.broadcast_to(jnp.arange(B)[:, None], positions_bt.shape)
+                cache = {"k": cache["k"].at[layer, rows_bt, positions_bt].set(k.astype(cache["k"].dtype)),
+                         "v": cache["v"].at[layer, rows_bt, positions_bt].set(v.astype(cache["v"].dtype))}
+                k = jax.lax.dynamic_index_in_dim(cache["k"], layer, 0, keepdims=False)
+                v = jax.lax.dynamic_index_in_dim(cache["v"], layer, 0, keepdims=False)
             attn = constrain(attention(q, k, v, mask_bts), _HEADS)
             x = x + linear(attn, p["wo"], "wo", lora_l, lora_scale, 2)
             h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
@@ -218,24 +221,20 @@ class Decoder(nnx.Module):
             up = linear(h, p["w_up"], "w_up", lora_l, lora_scale, 1)
             act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
             x = x + linear(act, p["w_down"], "w_down", lora_l, lora_scale, 1)
-            return constrain(x, ("batch", "length", "act_embed")), cache_l
+            return (constrain(x, ("batch", "length", "act_embed")), cache), None
 
         if remat:
             block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
+        layers = jnp.arange(c.num_layers, dtype=jnp.int32)
         n_adapted = c.num_layers if lora is None else jax.tree.leaves(lora)[0].shape[0]
-        if n_adapted == c.num_layers:
-            return jax.lax.scan(block, x, (layer_params, lora, cache))
-        # Adapters on the last n layers only: the frozen bottom runs without them, and its activations
-        # are constants for the adapters' gradient (no backward pass through it).
         split = c.num_layers - n_adapted
-        lo, hi = (jax.tree.map(lambda a: a[:split], t) for t in (layer_params, cache)), (
-            jax.tree.map(lambda a: a[split:], t) for t in (layer_params, cache))
-        (p_lo, c_lo), (p_hi, c_hi) = lo, hi
-        x, new_lo = jax.lax.scan(block, x, (p_lo, None, c_lo))
-        x, new_hi = jax.lax.scan(block, x, (p_hi, lora, c_hi))
-        new_cache = None if cache is None else jax.tree.map(
-            lambda a, b: jnp.concatenate([a, b], axis=0), new_lo, new_hi)
-        return x, new_cache
+        if split:  # adapters on the last n layers only: the frozen bottom runs without them, and its
+            # activations are constants for the adapters' gradient (no backward pass through it)
+            p_lo = jax.tree.map(lambda a: a[:split], layer_params)
+            (x, cache), _ = jax.lax.scan(block, (x, cache), (p_lo, None, layers[:split]))
+        p_hi = jax.tree.map(lambda a: a[split:], layer_params)
+        (x, cache), _ = jax.lax.scan(block, (x, cache), (p_hi, lora, layers[split:]))
+        return x, cache
 
 
 _HEADS = ("batch", "length", "act_heads", "head_dim")
