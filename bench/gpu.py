@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import datetime
 import math
-import pathlib
 import platform
 import statistics
 import time
@@ -33,8 +32,8 @@ from marljax.models.presets import PRESETS
 from marljax.rl.lora import LoRAConfig, init_lora
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack
 from marljax.sampling import SamplingParams, bucket, generate
+from benchdoc import write_section  # bench/ is on sys.path when a script here runs
 
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 TITLE = "## GPU (Qwen3-0.6B shape, bf16)"
 # device name fragment -> (dense bf16 TFLOP/s, HBM GB/s)
 PEAKS = {"H200": (989, 4800), "H100": (989, 3350), "A100": (312, 2039), "L4": (121, 300)}
@@ -120,18 +119,6 @@ def train_mfu(model, cfg, plan: Plan, peak_tflops: float | None, repeats: int, l
             "mfu": flops / seconds / (peak_tflops * 1e12) if peak_tflops else None}
 
 
-def write_section(text: str) -> None:
-    """Replace (or append) this section of docs/benchmarks.md, leaving the others alone."""
-    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    start = doc.find(f"\n{TITLE}\n")
-    if start < 0:
-        doc = doc.rstrip("\n") + "\n\n" + text
-    else:
-        end = doc.find("\n## ", start + 1)
-        doc = doc[:start + 1] + text + (doc[end:] if end >= 0 else "")
-    DOC.write_text(doc)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (default: by name)")
@@ -179,7 +166,7 @@ def main() -> None:
         f"| mode | tokens | step | model TFLOP/s | MFU |\n|---|---|---|---|---|\n{train_rows}\n")
     print(section)
     if not args.no_write:
-        write_section(section)
+        write_section(TITLE, section)
 
 
 if __name__ == "__main__":

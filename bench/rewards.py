@@ -10,15 +10,13 @@ import argparse
 import concurrent.futures
 import datetime
 import os
-import pathlib
-import platform
 import time
 
 from marljax.tasks import sandbox
 from marljax.tasks.code import grade_code
 from marljax.tasks.math import grade
+from benchdoc import machine, write_section  # bench/ is on sys.path when a script here runs
 
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 PROGRAM = "a, b = map(int, input().split())\nprint(a + b)"
 
 
@@ -51,25 +49,6 @@ def grades_per_s(n: int, form: str, threads: int = 0) -> float:
     return n / (time.perf_counter() - start)
 
 
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, Python {platform.python_version()}"
-
-
-def write_section(text: str) -> None:
-    """Replace (or append) the "## Rewards" section of docs/benchmarks.md, leaving the others alone."""
-    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    start = doc.find("\n## Rewards\n")
-    if start < 0:
-        doc = doc.rstrip("\n") + "\n\n" + text
-    else:
-        end = doc.find("\n## ", start + 1)
-        doc = doc[:start + 1] + text + (doc[end:] if end >= 0 else "")
-    DOC.parent.mkdir(exist_ok=True)
-    DOC.write_text(doc)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--programs", type=int, default=200)
@@ -100,7 +79,7 @@ def main():
                f"| what | throughput |\n|---|---|\n{table}\n")
     print(section)
     if not args.no_write:
-        write_section(section)
+        write_section("## Rewards", section)
 
 
 if __name__ == "__main__":

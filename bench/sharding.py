@@ -21,8 +21,6 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import pathlib  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -38,8 +36,8 @@ from marljax.models.decoder import Decoder, ModelConfig  # noqa: E402
 from marljax.rl.lora import LoRAConfig, init_lora  # noqa: E402
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack  # noqa: E402
 from marljax.sampling import SamplingParams, generate  # noqa: E402
+from benchdoc import machine, write_section  # noqa: E402 — bench/ is on sys.path when a script here runs
 
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 TITLE = "## Sharding (CPU, simulated devices)"
 CFG = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,
                   num_kv_heads=4, head_dim=32, rope_theta=10_000.0)
@@ -101,25 +99,6 @@ def measure(mesh_cfg: MeshConfig | None, repeats: int) -> dict:
             "compile_train": compile_train, "compile_sample": compile_sample}
 
 
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, jax {jax.__version__}"
-
-
-def write_section(text: str) -> None:
-    """Replace (or append) this section of docs/benchmarks.md, leaving the others alone."""
-    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    start = doc.find(f"\n{TITLE}\n")
-    if start < 0:
-        doc = doc.rstrip("\n") + "\n\n" + text
-    else:
-        end = doc.find("\n## ", start + 1)
-        doc = doc[:start + 1] + text + (doc[end:] if end >= 0 else "")
-    DOC.parent.mkdir(exist_ok=True)
-    DOC.write_text(doc)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
@@ -155,7 +134,7 @@ def main() -> None:
         f"|---|---|---|---|---|---|\n{rows}\n")
     print(section)
     if not args.no_write:
-        write_section(section)
+        write_section(TITLE, section)
 
 
 if __name__ == "__main__":

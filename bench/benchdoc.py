@@ -1,0 +1,25 @@
+"""docs/benchmarks.md I/O shared by the benchmark scripts: the machine line and section replacement."""
+import os
+import pathlib
+import platform
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, Python {platform.python_version()}"
+
+
+def write_section(title: str, text: str) -> None:
+    """Replace (or append) the section headed `title` of docs/benchmarks.md, leaving the others alone."""
+    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    start = doc.find(f"\n{title}\n")
+    if start < 0:
+        doc = doc.rstrip("\n") + "\n\n" + text
+    else:
+        end = doc.find("\n## ", start + 1)
+        doc = doc[:start + 1] + text + (doc[end:] if end >= 0 else "")
+    DOC.parent.mkdir(exist_ok=True)
+    DOC.write_text(doc)
