@@ -31,6 +31,7 @@ class WorkflowSection:
     n_votes: int = 3
     max_iterations: int | None = None  # None: 3 for math, 2 for code (the paper)
     max_subtasks: int = 3
+    worked_example: bool = False  # solve prompt shows one worked example (small models; not the paper's)
 
 
 @dataclasses.dataclass

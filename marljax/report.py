@@ -2,8 +2,10 @@
 
 Per run: accuracy vs step (base line, peak, final, cliff marker), per-role gradient norm and mass share,
 per-role output length and parse-failure rate, optimizer steps per set. For several runs, a paper-style
-table: cell, base, peak (step), final, Δ vs base, cliff, dominant role. Every number in the table comes
-from metrics.jsonl through `summarize`.
+table: cell, base, peak (step), final, Δ vs base ± its noise, Δ vs the single-agent run of the same task and
+model when one is among the runs, cliff, dominant role. Every number in the table comes from metrics.jsonl
+through `summarize`. The noise is one binomial standard error of final − base, from the number of graded
+episodes behind each eval (`eval/n_problems` × `eval/k`).
 """
 from __future__ import annotations
 
@@ -41,15 +43,18 @@ def summarize(run_dir: str | pathlib.Path) -> dict[str, Any]:
     diag = cfg.get("diagnostics", {})
     cliff_cfg = CliffConfig(min_drop=diag.get("cliff_drop", 0.05), window_frac=diag.get("cliff_window", 0.25))
     total = int(cfg.get("steps") or (steps[-1] if steps else 0)) or None
+    workflow, task = cfg.get("workflow", {}).get("name"), cfg.get("task", {}).get("name")
     out: dict[str, Any] = {
-        "run": run_dir.name,
-        "cell": "/".join(str(x) for x in (cfg.get("workflow", {}).get("name"), cfg.get("task", {}).get("name"),
-                                          cfg.get("model"), _policy_name(cfg.get("policy")))),
+        "run": run_dir.name, "workflow": workflow, "task": task, "model": cfg.get("model"),
+        "cell": "/".join(str(x) for x in (workflow, task, cfg.get("model"), _policy_name(cfg.get("policy")))),
         "steps": max((r["step"] for r in records), default=0)}
     if steps:
         s = detect_cliff(steps, acc, total_steps=total, cfg=cliff_cfg)
         out.update(base=s["base"], peak=s["peak"], peak_step=s["best_step"], final=s["final"],
                    delta=s["final"] - s["base"], cliff=bool(s["cliff"]))
+        n = [r.get("eval/n_problems", 0) * r.get("eval/k", 1) for r in records if "eval/pass@1" in r]
+        if n[0] and n[-1]:
+            out["noise"] = math.sqrt(s["base"] * (1 - s["base"]) / n[0] + s["final"] * (1 - s["final"]) / n[-1])
     doms = [r["diag/dominant_role"] for r in records if "diag/dominant_role" in r]
     shares = [r["diag/dominant_share"] for r in records if isinstance(r.get("diag/dominant_share"), float)
               and math.isfinite(r["diag/dominant_share"])]
@@ -141,15 +146,23 @@ def _fmt(v: Any) -> str:
     return "–" if v is None else str(v)
 
 
+def vs_single(s: dict, summaries: list[dict]) -> float | None:
+    """Final accuracy minus that of a single-agent run of the same task and model among `summaries`."""
+    singles = [x for x in summaries if x.get("workflow") == "single" and x is not s and "final" in x
+               and (x.get("task"), x.get("model")) == (s.get("task"), s.get("model"))]
+    return s["final"] - singles[0]["final"] if singles and "final" in s and s.get("workflow") != "single" else None
+
+
 def table(summaries: list[dict]) -> str:
-    """Markdown table: cell, base, peak (step), final, Δ vs base, cliff, dominant role."""
-    lines = ["| run | cell | base | peak (step) | final | Δ vs base | cliff | dominant role |",
-             "|---|---|---|---|---|---|---|---|"]
+    """Markdown table: cell, base, peak (step), final, Δ vs base ± noise, Δ vs single, cliff, dominant role."""
+    lines = ["| run | cell | base | peak (step) | final | Δ vs base (± 1 s.e.) | Δ vs single | cliff | dominant role |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         peak = f"{_fmt(s.get('peak'))} ({s.get('peak_step', '–')})"
+        delta = _fmt(s.get("delta")) + (f" ± {s['noise']:.3f}" if "noise" in s else "")
         dom = f"{s['dominant_role']} ({s['dominant_share']:.2f})" if "dominant_role" in s else "–"
         lines.append(f"| {s['run']} | {s['cell']} | {_fmt(s.get('base'))} | {peak} | {_fmt(s.get('final'))} | "
-                     f"{_fmt(s.get('delta'))} | {_fmt(s.get('cliff'))} | {dom} |")
+                     f"{delta} | {_fmt(vs_single(s, summaries))} | {_fmt(s.get('cliff'))} | {dom} |")
     return "\n".join(lines)
 
 

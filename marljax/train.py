@@ -60,8 +60,9 @@ def lr_at(cfg: Config, step: int) -> float:
 
 def workflow_options(cfg: Config) -> dict:
     w = cfg.workflow
-    return {"voting": {"n_votes": w.n_votes}, "eval_opt": {"max_iterations": w.max_iterations},
-            "orch_workers": {"max_subtasks": w.max_subtasks}}.get(w.name, {})
+    own = {"voting": {"n_votes": w.n_votes}, "eval_opt": {"max_iterations": w.max_iterations},
+           "orch_workers": {"max_subtasks": w.max_subtasks}}.get(w.name, {})
+    return {"worked_example": w.worked_example, **own}
 
 
 def same_role_counts(workflow) -> dict[str, int]:
@@ -357,6 +358,12 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         parser.exit(2, f"config error: {e}\n")
     report = train(cfg)
+    from marljax.report import summarize
+    s = summarize(report.parent) if sharding.is_primary() else {}
+    if "final" in s:
+        noise = f" ± {s['noise']:.3f} (1 s.e. of the difference)" if "noise" in s else ""
+        print(f"held-out pass@1: base {s['base']:.3f} → final {s['final']:.3f}, "
+              f"Δ {s['final'] - s['base']:+.3f}{noise}")
     print(f"report: {report}")
 
 

@@ -6,11 +6,11 @@ import yaml
 from marljax.report import summarize, table, write_report
 
 
-def _run(tmp_path, name, accs, policy="shared", steps=10):
+def _run(tmp_path, name, accs, policy="shared", steps=10, workflow="voting", n_problems=None):
     d = tmp_path / name
     d.mkdir()
     (d / "config.yaml").write_text(yaml.safe_dump({
-        "model": "tiny-qwen3", "policy": policy, "steps": steps, "workflow": {"name": "voting"},
+        "model": "tiny-qwen3", "policy": policy, "steps": steps, "workflow": {"name": workflow},
         "task": {"name": "arith"}, "diagnostics": {"cliff_drop": 0.05, "cliff_window": 0.25}}))
     lines = []
     for step in range(steps + 1):
@@ -21,6 +21,8 @@ def _run(tmp_path, name, accs, policy="shared", steps=10):
              "diag/dominant_role": "generator", "diag/dominant_share": 0.75}
         if step in accs:
             r["eval/pass@1"] = accs[step]
+            if n_problems:
+                r.update({"eval/n_problems": n_problems, "eval/k": 2})
         lines.append(json.dumps(r))
     (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return d
@@ -28,17 +30,23 @@ def _run(tmp_path, name, accs, policy="shared", steps=10):
 
 def test_table_numbers_come_from_metrics(tmp_path):
     cliff = _run(tmp_path, "cliff", {0: 0.30, 2: 0.40, 4: 0.55, 6: 0.60, 8: 0.58, 10: 0.35})
-    steady = _run(tmp_path, "steady", {0: 0.30, 5: 0.45, 10: 0.50}, policy="isolated")
+    steady = _run(tmp_path, "steady", {0: 0.30, 5: 0.45, 10: 0.50}, policy="isolated", n_problems=50)
+    single = _run(tmp_path, "single", {0: 0.20, 10: 0.42}, workflow="single")
     s = summarize(cliff)
     assert (s["base"], s["peak"], s["peak_step"], s["final"]) == (0.30, 0.60, 6, 0.35)
     assert abs(s["delta"] - 0.05) < 1e-12 and s["cliff"] is True
     assert s["dominant_role"] == "generator" and s["cell"] == "voting/arith/tiny-qwen3/shared"
     t = summarize(steady)
     assert (t["peak"], t["peak_step"], t["final"], t["cliff"]) == (0.50, 10, 0.50, False)
-    md = table([s, t])
-    assert "| cliff | voting/arith/tiny-qwen3/shared | 0.300 | 0.600 (6) | 0.350 | 0.050 | yes | generator (0.75) |" in md
-    assert "| steady | voting/arith/tiny-qwen3/isolated | 0.300 | 0.500 (10) | 0.500 | 0.200 | no |" in md
-    report = write_report([cliff, steady], tmp_path / "out")
+    noise = (0.3 * 0.7 / 100 + 0.5 * 0.5 / 100) ** 0.5  # 50 problems x k=2 at both evals
+    assert abs(t["noise"] - noise) < 1e-12 and "noise" not in s  # no episode counts logged: no noise
+    md = table([s, t, summarize(single)])
+    assert ("| cliff | voting/arith/tiny-qwen3/shared | 0.300 | 0.600 (6) | 0.350 | 0.050 | -0.070 | yes | "
+            "generator (0.75) |") in md
+    assert (f"| steady | voting/arith/tiny-qwen3/isolated | 0.300 | 0.500 (10) | 0.500 | 0.200 ± {noise:.3f} | "
+            "0.080 | no |") in md
+    assert "| single | single/arith/tiny-qwen3/shared | 0.200 | 0.420 (10) | 0.420 | 0.220 | – | no |" in md
+    report = write_report([cliff, steady, single], tmp_path / "out")
     text = report.read_text()
     assert md in text
     for name in ("cliff", "steady"):

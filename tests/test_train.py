@@ -54,6 +54,17 @@ def _comparable(record):
     return {k: v for k, v in record.items() if not k.startswith(("time/", "throughput/"))}
 
 
+def test_train_prints_the_held_out_change_and_its_noise(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    train_main([*TINY, "workflow=single", "steps=1", f"run_dir={run_dir}", "eval.every=1", "task.eval_n=4"])
+    *_, change, report = capsys.readouterr().out.strip().splitlines()
+    base, final = (r["eval/pass@1"] for r in _records(run_dir))
+    noise = (base * (1 - base) / 4 + final * (1 - final) / 4) ** 0.5
+    assert report == f"report: {run_dir / 'report.md'}"
+    assert change.startswith(f"held-out pass@1: base {base:.3f} → final {final:.3f}, Δ {final - base:+.3f}")
+    assert f"± {noise:.3f} (1 s.e. of the difference)" in change, change
+
+
 def test_resume_after_sigkill_continues_exactly(tmp_path):
     """Kill a run right after its step-2 checkpoint; the restarted run's step 3 equals an uninterrupted one."""
     straight = tmp_path / "straight"

@@ -411,17 +411,38 @@ def test_evaluate_workflow_metrics_and_transcripts():
     json.dumps(ev.transcripts)
 
 
+@pytest.mark.parametrize("worked_example", [False, True])
 @pytest.mark.parametrize("kind", ["math", "code"])
-def test_every_prompt_is_fully_formatted(kind):
+def test_every_prompt_is_fully_formatted(kind, worked_example):
     p = Problem(id="q", question="Add {x} and 2.", kind=kind, answer="1", tests=())
     for name in ("single", "eval_opt", "voting", "orch_workers"):
-        out = rollout(get_workflow(name), [p], hashed_policy, CODEC, SHARED, reward_fn=fake_reward,
+        out = rollout(get_workflow(name, worked_example=worked_example), [p], hashed_policy, CODEC, SHARED,
+                      reward_fn=fake_reward,
                       grade_calls=False)
         for c in out.calls:
             for m in c.messages:
                 if m["role"] == "user":
                     assert not re.search(r"\{\{|\}\}|\{(problem|solutions|n|strategy|max_subtasks)\}", m["content"])
         assert "Add {x} and 2." in out.calls[0].messages[0]["content"]
+
+
+def test_worked_example_changes_only_the_solve_prompt():
+    """`worked_example` shows one solved example (answer format included) in every solve prompt; the
+    supervisory prompts are the paper's."""
+    def prompts(worked_example):
+        out, _ = run(Voting(worked_example=worked_example), voting_reply("\\boxed{2}"))
+        return [(c.role, c.messages[0]["content"]) for c in out.calls]
+    plain, shot = prompts(False), prompts(True)
+    for (role, a), (_, b) in zip(plain, shot):
+        if role == "generator":
+            assert "Example:" in b and "\\boxed{7}" in b and "What is 0 + 42" in b and "Example:" not in a
+        else:
+            assert a == b
+    from marljax.config import Config
+    from marljax.train import workflow_options
+    cfg = Config()
+    cfg.workflow.worked_example = True
+    assert get_workflow(cfg.workflow.name, **workflow_options(cfg)).worked_example
 
 
 def test_default_reward_is_the_problems_own():

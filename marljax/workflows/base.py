@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from marljax.tasks.data import Problem
+from marljax.workflows.prompts import PromptSet, prompt_set
 
 GENERATOR = "generator"
 EVALUATOR = "evaluator"
@@ -190,18 +191,26 @@ class Rollout:
                        tuple(calls), tuple(episodes), sum(p.sampler_calls for p in parts))
 
 
+@dataclasses.dataclass(frozen=True)
 class Workflow:
     """A multi-agent workflow: a pure description of an episode's role calls.
 
     Subclasses set `name`, `roles`, `graded_roles` (roles whose own output is a complete answer, re-graded
     for per-role accuracy) and `slot_grouped_roles` (parallel same-role slots that stay separate GRPO
-    groups under the paper preset), and implement `episode`.
+    groups under the paper preset), and implement `episode`. `worked_example`: the solve prompt shows one
+    worked example of the answer format (for small models; the paper's prompts are zero-shot).
     """
+
+    worked_example: bool = False
 
     name: ClassVar[str]
     roles: ClassVar[tuple[str, ...]]
     graded_roles: ClassVar[frozenset[str]] = frozenset()
     slot_grouped_roles: ClassVar[frozenset[str]] = frozenset()
+
+    def prompts(self, kind: str) -> PromptSet:
+        """This workflow's prompt set for a problem kind."""
+        return prompt_set(kind, self.worked_example)
 
     def episode(self, problem: Problem) -> EpisodeScript:
         """The episode script: yields stages of `RoleCall`s, receives their texts, returns an `Outcome`."""

@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from marljax.tasks.data import Problem
 from marljax.workflows.base import (EVALUATOR, GENERATOR, CallRecord, EpisodeScript, Outcome, RoleCall, Workflow,
                                     assistant, last_boxed, user)
-from marljax.workflows.prompts import prompt_set
 
 DEFAULT_MAX_ITERATIONS = {"math": 3, "code": 2}
 
@@ -45,7 +44,7 @@ class EvalOpt(Workflow):
         return self.max_iterations if self.max_iterations is not None else DEFAULT_MAX_ITERATIONS[kind]
 
     def episode(self, problem: Problem) -> EpisodeScript:
-        prompts = prompt_set(problem.kind)
+        prompts = self.prompts(problem.kind)
         chat = (user(prompts.solve.format(problem=problem.question)),)
         [answer] = yield [RoleCall(GENERATOR, 0, 0, chat)]
         chat += (assistant(answer),)

@@ -16,7 +16,7 @@ import re
 from marljax.tasks.data import Problem
 from marljax.workflows.base import (ORCHESTRATOR, SYNTHESIZER, WORKER, EpisodeScript, Outcome, RoleCall, Workflow,
                                     user)
-from marljax.workflows.prompts import format_solutions, prompt_set
+from marljax.workflows.prompts import format_solutions
 
 _STRATEGY_HEADER = re.compile(r"STRATEGY\s*(\d+)\s*:", re.IGNORECASE)
 _NUMBERED_HEADER = re.compile(r"^[ \t]*(\d+)[.)][ \t]+", re.MULTILINE)
@@ -62,7 +62,7 @@ class OrchWorkers(Workflow):
             raise ValueError(f"max_subtasks must be >= 1, got {self.max_subtasks}")
 
     def episode(self, problem: Problem) -> EpisodeScript:
-        prompts = prompt_set(problem.kind)
+        prompts = self.prompts(problem.kind)
         q = problem.question
         propose = prompts.propose.format(problem=q, max_subtasks=self.max_subtasks)
         [plan] = yield [RoleCall(ORCHESTRATOR, 0, 0, (user(propose),))]

@@ -3,7 +3,8 @@
 Templates are `str.format` strings (literal braces doubled). Placeholders: `{problem}`; `{solutions}`
 (see `format_solutions`) and `{n}` for the aggregator; `{max_subtasks}` for the orchestrator;
 `{strategy}` for a worker. `evaluate` and `refine` are plain text, used verbatim as the last user turn
-of Eval-Opt's shared chat.
+of Eval-Opt's shared chat. `solve_shot` is `solve` with one worked example of the answer format, for small
+models that do not follow the format zero-shot (`workflow.worked_example`; not the paper's setting).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class PromptSet:
     propose: str  # orchestrator: STRATEGY k: lines
     work: str  # worker with an assigned strategy
     synthesize: str  # synthesizer: final answer
+    solve_shot: str  # `solve` with one worked example (workflow.worked_example)
 
 
 MATH = PromptSet(
@@ -64,6 +66,11 @@ MATH = PromptSet(
         "Solutions:{solutions}\n\nCheck the reasoning of each solution. An answer that several solutions "
         "reach independently deserves more trust; where they disagree, decide whose reasoning holds. "
         "Write the final answer inside \\boxed{{}}."
+    ),
+    solve_shot=(
+        "Solve the math problem and write the final answer inside \\boxed{{}}.\n\nExample:\n"
+        "Problem: Mia has 3 pens. Then Mia gets 4 more pens. How many pens does Mia have now?\n"
+        "Solution: Mia has 3 + 4 = 7 pens. The answer is \\boxed{{7}}.\n\nProblem: {problem}\nSolution:"
     ),
 )
 
@@ -112,16 +119,23 @@ CODE = PromptSet(
         "Solutions:{solutions}\n\nCheck the logic, edge cases and efficiency of each. Finish with one "
         "complete, runnable Python program in a single ```python code block."
     ),
+    solve_shot=(
+        "Solve the programming problem in Python and give one complete, runnable program in a single "
+        "```python code block.\n\nExample:\nProblem: Read two integers from one line and print their "
+        "sum.\nSolution:\n```python\na, b = map(int, input().split())\nprint(a + b)\n```\n\n"
+        "Problem:\n{problem}\nSolution:"
+    ),
 )
 
 PROMPTS = {"math": MATH, "code": CODE}
 
 
-def prompt_set(kind: str) -> PromptSet:
-    """The prompt set for a problem kind ("math" | "code")."""
+def prompt_set(kind: str, worked_example: bool = False) -> PromptSet:
+    """The prompt set for a problem kind ("math" | "code"); with `worked_example`, `solve` shows one."""
     if kind not in PROMPTS:
         raise ValueError(f"No prompt set for problem kind {kind!r}; known: {sorted(PROMPTS)}")
-    return PROMPTS[kind]
+    prompts = PROMPTS[kind]
+    return dataclasses.replace(prompts, solve=prompts.solve_shot) if worked_example else prompts
 
 
 def format_solutions(texts: Sequence[str], strategies: Sequence[str | None] | None = None) -> str:

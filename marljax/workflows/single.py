@@ -5,7 +5,6 @@ import dataclasses
 
 from marljax.tasks.data import Problem
 from marljax.workflows.base import GENERATOR, EpisodeScript, Outcome, RoleCall, Workflow, user
-from marljax.workflows.prompts import prompt_set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,6 +14,6 @@ class SingleAgent(Workflow):
     graded_roles = frozenset({GENERATOR})
 
     def episode(self, problem: Problem) -> EpisodeScript:
-        prompt = prompt_set(problem.kind).solve.format(problem=problem.question)
+        prompt = self.prompts(problem.kind).solve.format(problem=problem.question)
         [answer] = yield [RoleCall(GENERATOR, 0, 0, (user(prompt),))]
         return Outcome(answer, {})

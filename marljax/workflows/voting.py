@@ -10,7 +10,7 @@ import re
 
 from marljax.tasks.data import Problem
 from marljax.workflows.base import AGGREGATOR, GENERATOR, EpisodeScript, Outcome, RoleCall, Workflow, last_boxed, user
-from marljax.workflows.prompts import format_solutions, prompt_set
+from marljax.workflows.prompts import format_solutions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Voting(Workflow):
             raise ValueError(f"n_votes must be >= 1, got {self.n_votes}")
 
     def episode(self, problem: Problem) -> EpisodeScript:
-        prompts = prompt_set(problem.kind)
+        prompts = self.prompts(problem.kind)
         solve = (user(prompts.solve.format(problem=problem.question)),)
         candidates = yield [RoleCall(GENERATOR, slot, 0, solve) for slot in range(self.n_votes)]
         pick = prompts.aggregate.format(problem=problem.question, solutions=format_solutions(candidates),
