@@ -1,4 +1,4 @@
-"""docs/benchmarks.md I/O shared by the benchmark scripts: the machine line and section replacement."""
+"""docs/*.md I/O shared by the benchmark scripts: the machine line and section replacement."""
 import os
 import pathlib
 import platform
@@ -12,14 +12,14 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, Python {platform.python_version()}"
 
 
-def write_section(title: str, text: str) -> None:
-    """Replace (or append) the section headed `title` of docs/benchmarks.md, leaving the others alone."""
-    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+def write_section(title: str, text: str, path: pathlib.Path = DOC, heading: str = "# Benchmarks") -> None:
+    """Replace (or append) the section headed `title` of `path` (docs/benchmarks.md), leaving the others alone."""
+    doc = path.read_text() if path.exists() else heading + "\n"
     start = doc.find(f"\n{title}\n")
     if start < 0:
         doc = doc.rstrip("\n") + "\n\n" + text
     else:
         end = doc.find("\n## ", start + 1)
         doc = doc[:start + 1] + text + (doc[end:] if end >= 0 else "")
-    DOC.parent.mkdir(exist_ok=True)
-    DOC.write_text(doc)
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(doc)

@@ -225,19 +225,36 @@ def parse_value(text: str) -> Any:
         return text
 
 
+def _merged(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_yaml(path: str | pathlib.Path, _seen: tuple = ()) -> dict:
+    """A config file's mapping; a top-level `base: other.yaml` (relative to the file) is read first and
+    this file's keys override it, section by section."""
+    p = pathlib.Path(path)
+    if not p.exists():
+        raise ConfigError(f"Config file {p} does not exist; pass an existing YAML (see configs/).")
+    if p.resolve() in _seen:
+        raise ConfigError(f"Config file {p} includes itself through `base:`.")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"Config file {p} must hold a YAML mapping of keys to values.")
+    base = data.pop("base", None)
+    return _merged(read_yaml(p.parent / base, (*_seen, p.resolve())), data) if base else data
+
+
 def load_config(config_file: str | None = None, overrides: list[str] = (),
                 default_file: str | None = None) -> Config:
-    """Defaults ← YAML file (or `default_file` when none is given) ← `key=value` overrides."""
+    """Defaults ← YAML file (or `default_file` when none is given; see `read_yaml`) ← `key=value`
+    overrides."""
     cfg = Config()
     path = config_file or default_file
     if path is not None:
-        p = pathlib.Path(path)
-        if not p.exists():
-            raise ConfigError(f"Config file {p} does not exist; pass an existing YAML (see configs/).")
-        data = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"Config file {p} must hold a YAML mapping of keys to values.")
-        for k, v in data.items():
+        for k, v in read_yaml(path).items():
             _set(cfg, [k], v, k)
     for item in overrides:
         if "=" not in item:
