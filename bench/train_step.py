@@ -1,24 +1,23 @@
 """Train-step throughput on SmolLM2-135M: tokens/s and achieved FLOP/s, LoRA and full fine-tuning, vs the
 machine's measured XLA fp32 matmul rate, in one run (the contenders alternate).
 
-FLOPs counted per token: 2·P_dense forward, +2·P_dense for activation gradients, +2·P_trainable-path
-weight gradients (full: 2·P_dense; LoRA: ≈ 0), +1 forward again for remat; attention terms included.
+Model FLOPs counted per token: 2·P_dense forward, +2·P_dense for activation gradients, +2·P_dense weight
+gradients for full fine-tuning (LoRA: ≈ 0), +1 forward again for remat; attention terms included.
 
-    python bench/train_step.py [--batch 8] [--length 256] [--repeats 3]
+    python bench/train_step.py [--batch 8] [--length 256] [--repeats 3] [--write]
 """
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import time
 
 import jax
 import numpy as np
 
+from benchdoc import machine, write_section  # bench/ is on sys.path when a script here runs
 from marljax.models import load_model
-from roofline import matmul_gflops  # bench/ is on sys.path when a script here runs
+from roofline import matmul_gflops
 from marljax.rl.lora import LoRAConfig, init_lora
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack
 
@@ -40,6 +39,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--write", action="store_true", help="replace the section in docs/benchmarks.md")
     args = ap.parse_args()
     model = load_model("smollm2-135m-instruct")
     cfg = model.config
@@ -51,11 +51,12 @@ def main():
     opt = make_optimizer()
     lc = LoRAConfig(rank=16, alpha=32)
     contenders = {}
-    for mode in ("lora", "full"):
-        step_cfg = StepConfig(route=(("generator", "g"),), lora_scale=lc.scale if mode == "lora" else None,
+    for mode in ("LoRA r16, all layers", "full fine-tuning"):
+        lora = mode.startswith("LoRA")
+        step_cfg = StepConfig(route=(("generator", "g"),), lora_scale=lc.scale if lora else None,
                               minibatch="balanced")
         tr = Trainer(model, step_cfg, opt)
-        params = {"g": init_lora(cfg, lc, jax.random.key(0)) if mode == "lora"
+        params = {"g": init_lora(cfg, lc, jax.random.key(0)) if lora
                   else jax.tree.map(jax.numpy.array, tr.base_state)}
         contenders[mode] = [tr, params, {"g": opt.init(params["g"])}]
     roof = matmul_gflops()
@@ -69,16 +70,23 @@ def main():
             if rep:  # the first round compiles
                 times[mode].append(time.perf_counter() - t)
             c[1], c[2] = params, opt_state
-    n_tokens = args.batch * batch["generator"].tokens_nt.shape[1]
-    print(f"# {time.strftime('%Y-%m-%d')} {platform.node()} {os.cpu_count()} cores, jax {jax.__version__}; "
-          f"SmolLM2-135M, batch {args.batch} × {batch['generator'].tokens_nt.shape[1]} tokens; "
-          f"XLA fp32 matmul roof {roof:.1f} GFLOP/s")
-    print("| mode | step s (median) | tokens/s | achieved GFLOP/s | % of roof |")
-    print("|---|---|---|---|---|")
+    length = batch["generator"].tokens_nt.shape[1]
+    n_tokens = args.batch * length
+    lines = ["## Train step (SmolLM2-135M, CPU)", "",
+             f"`python bench/train_step.py --batch {args.batch} --length {args.length} --repeats {args.repeats}` "
+             f"on {time.strftime('%Y-%m-%d %H:%M')}, {machine()}, jax {jax.__version__}; one `Trainer.update` "
+             f"(PPO loss, per-role diagnostics, AdamW) on {args.batch} × {length} tokens, the contenders "
+             f"alternating; XLA fp32 matmul roof measured in the same run: {roof:.1f} GFLOP/s. FLOPs as "
+             "counted in the script's docstring.", "",
+             "| mode | step s (median) | tokens/s | model GFLOP/s | % of roof |", "|---|---|---|---|---|"]
     for mode, ts in times.items():
         s = statistics.median(ts)
-        gf = step_flops(cfg, n_tokens, batch["generator"].tokens_nt.shape[1], mode == "full") / s / 1e9
-        print(f"| {mode} | {s:.2f} | {n_tokens / s:.0f} | {gf:.1f} | {100 * gf / roof:.0f}% |")
+        gf = step_flops(cfg, n_tokens, length, not mode.startswith("LoRA")) / s / 1e9
+        lines.append(f"| {mode} | {s:.2f} | {n_tokens / s:.0f} | {gf:.1f} | {100 * gf / roof:.0f}% |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.write:
+        write_section(lines[0], text)
 
 
 if __name__ == "__main__":
