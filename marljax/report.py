@@ -82,7 +82,10 @@ def plot_run(run_dir: pathlib.Path, out_dir: pathlib.Path) -> list[pathlib.Path]
     fig, ax = plt.subplots(figsize=(6.4, 4))
     steps, acc = _series(records, "eval/pass@1")
     if steps:
-        ax.plot(steps, acc, "o-", label="workflow pass@1 (held-out)")
+        n = [r.get("eval/n_problems", 0) * r.get("eval/k", 1) for r in records if "eval/pass@1" in r]
+        err = [math.sqrt(a * (1 - a) / k) if k else 0.0 for a, k in zip(acc, n)]
+        ax.errorbar(steps, acc, yerr=err if any(err) else None, fmt="o-", capsize=4,
+                    label="workflow pass@1 (held-out" + (", ± 1 s.e.)" if any(err) else ")"))
         ax.axhline(summary["base"], color="gray", ls="--", label=f"base {summary['base']:.3f}")
         ax.plot([summary["peak_step"]], [summary["peak"]], "*", ms=14, color="tab:green",
                 label=f"peak {summary['peak']:.3f} @ {summary['peak_step']}")
@@ -91,6 +94,11 @@ def plot_run(run_dir: pathlib.Path, out_dir: pathlib.Path) -> list[pathlib.Path]
     rs, rw = _series(records, "reward/mean")
     if rs:
         ax.plot(rs, rw, "-", alpha=0.5, label="train reward (mean)")
+    for role in _roles(records, "/accuracy"):
+        ax.plot(*_series(records, f"role/{role}/accuracy"), ":", alpha=0.8, label=f"train {role} accuracy (own answers)")
+        held_steps, held = _series(records, f"eval/role/{role}/accuracy")
+        if held_steps:
+            ax.plot(held_steps, held, "s--", ms=5, alpha=0.8, label=f"held-out {role} accuracy (own answers)")
     ax.set(title=f"{name}: accuracy", xlabel="training step", ylabel="accuracy / reward (0–1)")
     ax.legend(fontsize=8)
     paths.append(_save(fig, out_dir / f"{name}_accuracy.png"))
@@ -99,7 +107,7 @@ def plot_run(run_dir: pathlib.Path, out_dir: pathlib.Path) -> list[pathlib.Path]
     norms = []
     for role in _roles(records, "/grad_norm"):
         steps_r, norm_r = _series(records, f"role/{role}/grad_norm")
-        a1.plot(steps_r, norm_r, label=role)
+        a1.plot(steps_r, [v if v > 0 else float("nan") for v in norm_r], "o-", ms=3, label=role)  # 0: no signal
         norms += norm_r
     a1.set(title="per-role gradient norm ‖g_r‖", xlabel="training step", ylabel="L2 norm",
            yscale="log" if any(n > 0 for n in norms) else "linear")  # all-zero: no signal yet
