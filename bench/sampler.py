@@ -5,13 +5,12 @@ run (the machine drifts ±30%); each figure is the median of `--repeats` runs. P
 1-new-token generation, decode as the rest. The roof is this machine's XLA fp32 matmul rate, measured
 in the same run; FLOPs per token ≈ 2 × (parameters used per token) + attention.
 
-    python bench/sampler.py [--batches 1 16 64] [--repeats 3]
+    python bench/sampler.py [--batches 1 16 64] [--repeats 3] [--write]
 """
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 
@@ -21,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchdoc import machine, write_section  # bench/ is on sys.path when a script here runs
 from marljax.models import load_model
-from roofline import matmul_gflops  # bench/ is on sys.path when a script here runs
+from roofline import matmul_gflops
 from marljax.models.loading import smollm2_gguf_path
 from marljax.sampling import SamplingParams, generate
 
@@ -62,6 +62,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--write", action="store_true", help="replace the section in docs/benchmarks.md")
     args = ap.parse_args()
 
     import torch
@@ -73,11 +74,16 @@ def main():
     model = load_model("smollm2-135m-instruct")
     cfg = model.config
     roof = matmul_gflops()
-    print(f"# {time.strftime('%Y-%m-%d')} {platform.node()} {os.cpu_count()} cores; jax {jax.__version__}, "
-          f"torch {torch.__version__}; XLA fp32 matmul roof {roof:.1f} GFLOP/s")
-    print("| batch | engine | prefill tok/s | decode tok/s | end-to-end new tok/s | decode % of roof | "
-          "prefill % of roof |")
-    print("|---|---|---|---|---|---|---|")
+    lines = ["## Sampler (SmolLM2-135M, CPU)", "",
+             f"`python bench/sampler.py --batches {' '.join(map(str, args.batches))} --repeats {args.repeats}` on "
+             f"{time.strftime('%Y-%m-%d %H:%M')}, {machine()}, jax {jax.__version__}, torch {torch.__version__}; "
+             f"XLA fp32 matmul roof measured in the same run: {roof:.1f} GFLOP/s. {PROMPT}-token random prompts, "
+             f"{NEW} new tokens (no early stop), greedy; marljax and HF `generate` alternate run by run; medians. "
+             "Prefill = a 1-token generation; decode = the rest. % of roof = achieved FLOP/s (2 × parameters "
+             "used + attention, per token) over the measured matmul rate.", "",
+             "| batch | engine | prefill tok/s | decode tok/s | end-to-end new tok/s | decode % of roof | "
+             "prefill % of roof |", "|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
     rng = np.random.default_rng(0)
     ratios = {}
     for b in args.batches:
@@ -98,11 +104,15 @@ def main():
             e2e[name] = b * NEW / full
             dec_frac = dec_tps * flops_per_token(cfg, PROMPT + NEW // 2) / 1e9 / roof
             pre_frac = pre_tps * flops_per_token(cfg, PROMPT // 2) / 1e9 / roof
-            print(f"| {b} | {name} | {pre_tps:.0f} | {dec_tps:.1f} | {e2e[name]:.1f} | {100 * dec_frac:.0f}% | "
-                  f"{100 * pre_frac:.0f}% |")
+            lines.append(f"| {b} | {name} | {pre_tps:.0f} | {dec_tps:.1f} | {e2e[name]:.1f} | "
+                         f"{100 * dec_frac:.0f}% | {100 * pre_frac:.0f}% |")
+            print(lines[-1], flush=True)
         ratios[b] = e2e["marljax"] / e2e["hf"]
-    for b, r in ratios.items():
-        print(f"batch {b}: marljax / HF end-to-end = {r:.2f}x")
+    lines += ["", "marljax / HF end-to-end: " + ", ".join(f"**{r:.2f}× at batch {b}**" for b, r in ratios.items())
+              + ".", ""]
+    print("\n".join(lines[-3:]))
+    if args.write:
+        write_section(lines[0], "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from marljax.config import Config, MeshConfig, to_dict
 from marljax.models.decoder import LINEAR_AXES, ModelConfig
 from marljax.models.presets import PRESETS
 from marljax.rl.step import length_bucket
-from marljax.sampling import bucket
+from marljax.sampling import bucket, bucket_rows
 
 WORKFLOWS = ("eval_opt", "voting", "orch_workers")
 TASKS = {"math": "dapo_math", "code": "deepcoder"}
@@ -243,7 +243,7 @@ def _sampling_seconds(cell: Cell, cfg: ModelConfig, acc: Accelerator, mesh, epis
     for st in cell.stages():
         rows, p = episodes * st.calls, bucket(st.prompt, 16)
         length = p + MAX_RESPONSE
-        chunk = min(bucket(rows), 1 << max(0, (max_cache_tokens // length).bit_length() - 1))
+        chunk = min(bucket_rows(rows), 1 << max(0, (max_cache_tokens // length).bit_length() - 1))
         chips_on_batch = data * fsdp if chunk % (data * fsdp) == 0 else 1
         rows_chip = chunk / chips_on_batch
         ctx = p + MAX_RESPONSE / 2
@@ -269,7 +269,7 @@ def _train_seconds(cell: Cell, cfg: ModelConfig, acc: Accelerator) -> float:
     flops = 0.0
     for role, n in samples.items():
         k = chunks[sets[role]]
-        rows = k * bucket(math.ceil(n / k))
+        rows = k * bucket_rows(math.ceil(n / k))
         length = length_bucket(max(s.prompt for s in cell.stages() if s.role == role) + MAX_RESPONSE + 1)
         per_token = 8 * n_matmul + 3 * attn * length  # forward, recompute, backward to activations
         if recompute_old:

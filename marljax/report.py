@@ -64,6 +64,15 @@ def summarize(run_dir: str | pathlib.Path) -> dict[str, Any]:
     return out
 
 
+def _sharing_roles(policy: Any, roles: list[str]) -> list[str]:
+    """The roles whose parameter set also serves another role (their mass share is informative)."""
+    if policy == "isolated":
+        return []
+    if isinstance(policy, dict):
+        return [r for r in roles if list(policy.values()).count(policy.get(r)) > 1]
+    return roles
+
+
 def _policy_name(policy: Any) -> str:
     return policy if isinstance(policy, str) else "custom"
 
@@ -112,11 +121,16 @@ def plot_run(run_dir: pathlib.Path, out_dir: pathlib.Path) -> list[pathlib.Path]
     a1.set(title="per-role gradient norm ‖g_r‖", xlabel="training step", ylabel="L2 norm",
            yscale="log" if any(n > 0 for n in norms) else "linear")  # all-zero: no signal yet
     a1.legend(fontsize=8)
-    for role in _roles(records, "/grad_share"):
+    sharing = _sharing_roles(_config(run_dir).get("policy"), _roles(records, "/grad_share"))
+    for role in sharing:
         a2.plot(*_series(records, f"role/{role}/grad_share"), label=role)
     a2.set(title="per-role share of its set's update mass", xlabel="training step", ylabel="share (0–1)",
            ylim=(0, 1.05))
-    a2.legend(fontsize=8)
+    if sharing:
+        a2.legend(fontsize=8)
+    else:
+        a2.text(0.5, 0.5, "no parameter set is shared by two roles:\neach role's share is 1 by definition",
+                ha="center", va="center", transform=a2.transAxes)
     paths.append(_save(fig, out_dir / f"{name}_gradients.png"))
 
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4))

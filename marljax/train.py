@@ -172,7 +172,7 @@ class Run:
 
     def chunks(self, prompts: list[list[int]]) -> list[list[list[int]]]:
         """Prompts cut into sampler calls of at most `sampling.max_cache_tokens` batch × KV length
-        (a power-of-two number of rows, as the sampler buckets batches); one call when it is 0."""
+        (a power-of-two number of rows, a fixed point of the sampler's `bucket_rows`); one call when it is 0."""
         cap = self.cfg.sampling.max_cache_tokens
         if cap <= 0 or not prompts:
             return [prompts]

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from marljax.models.decoder import Decoder, ModelConfig
-from marljax.sampling import SamplingParams, bucket, choose, generate
+from marljax.sampling import SamplingParams, bucket, bucket_rows, choose, generate
 
 CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, rope_theta=10_000.0, tie_embeddings=False)
@@ -85,6 +85,14 @@ def test_bad_sampling_params_are_rejected():
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     assert bucket(1) == 1 and bucket(5) == 8 and bucket(3, 16) == 16
+
+
+def test_batch_rows_pad_little_and_take_few_shapes():
+    assert [bucket_rows(n) for n in (1, 3, 5, 8, 12, 48, 96, 100, 288)] == [1, 4, 8, 8, 16, 48, 96, 112, 320]
+    shapes = {bucket_rows(n) for n in range(129, 257)}
+    assert len(shapes) == 4 and all(r % 8 == 0 for r in shapes)  # 160, 192, 224, 256
+    for n in range(9, 2000):
+        assert n <= bucket_rows(n) < n * 1.125 + 8 and bucket_rows(bucket_rows(n)) == bucket_rows(n)
 
 
 def _smollm2():

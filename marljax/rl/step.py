@@ -29,7 +29,7 @@ from flax import nnx
 
 from marljax.models.decoder import Decoder
 from marljax.rl.losses import LossConfig, sequence_losses
-from marljax.sampling import bucket
+from marljax.sampling import bucket, bucket_rows
 
 ROLE_WEIGHTINGS = ("count", "equal", "inverse_norm")
 MINIBATCH_MODES = ("paper", "balanced")
@@ -252,7 +252,7 @@ def length_bucket(n: int) -> int:
 
 def pack(samples: list[Sample], *, n_bucket: int | None = None) -> RoleBatch:
     """Right-pad samples of one role into bucketed arrays (rows beyond len(samples) are padding)."""
-    n = n_bucket or bucket(max(len(samples), 1))
+    n = n_bucket or bucket_rows(max(len(samples), 1))
     T = length_bucket(max([len(s.prompt) + len(s.response) for s in samples] + [2]) + 1)
     R = bucket(max([len(s.response) for s in samples] + [1]), 8)
     tokens = np.zeros((n, T), np.int32)
