@@ -1,9 +1,11 @@
 """Base-model workflow pass@1: `python -m marljax.evaluate` for each workflow, tabulated into docs/baselines.md.
 
-    python bench/baselines.py --n 100 [--worked-example] [--max-new-tokens 64] [--workflows single voting ...]
+    python bench/baselines.py --n 100 [--config configs/default.yaml] [--worked-example true|false]
+        [--max-new-tokens 32] [--workflows single voting ...]
 
-Runs the exact `evaluate` command for every workflow (printed and written into the doc), reads its
-metrics.json, and replaces the doc's section for this (task, model, prompt) setting.
+Runs the exact `evaluate` command for every workflow (printed and written into the doc) on the config's
+model and task (by default the default run's: SmolLM2-135M, easy arithmetic), reads its metrics.json, and
+replaces the doc's section for this (model, task, prompt, length) setting.
 """
 import argparse
 import json
@@ -16,6 +18,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from benchdoc import machine, write_section  # noqa: E402
+from marljax.config import load_config  # noqa: E402
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "baselines.md"
 WORKFLOWS = ("single", "eval_opt", "voting", "orch_workers")
@@ -23,9 +26,9 @@ ROLE_OF_ANSWERS = {"single": "generator", "eval_opt": "generator", "voting": "ge
 
 
 def command(args, workflow: str, out: pathlib.Path) -> list[str]:
-    return [sys.executable, "-m", "marljax.evaluate", f"model={args.model}", f"workflow={workflow}",
-            f"task={args.task}", f"n={args.n}", f"seed={args.seed}", f"sampling.max_new_tokens={args.max_new_tokens}",
-            f"workflow.worked_example={str(args.worked_example).lower()}", *args.overrides, "--out", str(out)]
+    return [sys.executable, "-m", "marljax.evaluate", "--config", args.config, f"workflow={workflow}",
+            f"n={args.n}", f"seed={args.seed}", f"sampling.max_new_tokens={args.max_new_tokens}",
+            f"workflow.worked_example={args.worked_example}", *args.overrides, "--out", str(out)]
 
 
 def row(workflow: str, m: dict, seconds: float) -> str:
@@ -39,15 +42,19 @@ def row(workflow: str, m: dict, seconds: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--task", default="arith")
+    ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--n", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--worked-example", action="store_true")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--worked-example", nargs="?", const="true", default="true", choices=["true", "false"])
     ap.add_argument("--workflows", nargs="+", default=list(WORKFLOWS), choices=WORKFLOWS)
     ap.add_argument("overrides", nargs="*", help="more evaluate key=value overrides (e.g. task.options=...)")
     args = ap.parse_args()
+    cfg = load_config(args.config, args.overrides)  # fails early on a bad config
+    options = ", ".join(f"{k}={v}" for k, v in cfg.task.options.items())
+    prompt = "worked example" if args.worked_example == "true" else "zero-shot (the paper's prompts)"
+    title = (f"## {cfg.model} on {cfg.task.name}{f' ({options})' if options else ''}, {prompt}, "
+             f"{args.max_new_tokens} new tokens")
     rows, commands = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for workflow in args.workflows:
@@ -59,13 +66,12 @@ def main() -> None:
             subprocess.run(cmd, check=True)
             rows.append(row(workflow, json.loads((out / "metrics.json").read_text()), time.perf_counter() - t0))
             commands.append(shown)
-    prompt = "worked example" if args.worked_example else "zero-shot (the paper's prompts)"
-    title = f"## {args.model} on {args.task}, {prompt}, {args.max_new_tokens} new tokens"
     text = "\n".join([
         title, "",
         f"{time.strftime('%Y-%m-%d %H:%M')}, {machine()}. n = {args.n} held-out problems, one sampled run each "
-        f"(T = 0.7), seed {args.seed}. ± is one binomial standard error. The answer role is the generator "
-        "(workers for Orch-Workers); its accuracy is re-graded on its own output.", "",
+        f"(T = {cfg.eval.temperature}), seed {args.seed}, the rest of `{args.config}`. ± is one binomial "
+        "standard error. The answer role is the generator (workers for Orch-Workers); its accuracy is "
+        "re-graded on its own output.", "",
         "| workflow | pass@1 | answer-role accuracy | answer-role parse fail | truncated | any correct | seconds |",
         "|---|---|---|---|---|---|---|", *rows, "", "Commands:", "", "```", *commands, "```", ""])
     write_section(title, text, DOC, "# Base-model baselines\n\nWritten by `bench/baselines.py`; one section per "
