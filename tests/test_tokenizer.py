@@ -127,13 +127,7 @@ def test_missing_source():
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from marljax.models.loading import smollm2_gguf_path
-
-    try:
-        smollm2_gguf_path()
-    except FileNotFoundError as e:
-        pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
+def smollm2(smollm2_gguf):
     return load_tokenizer("smollm2-135m-instruct")
 
 
