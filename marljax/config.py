@@ -226,6 +226,7 @@ def parse_value(text: str) -> Any:
 
 
 def _merged(base: dict, over: dict) -> dict:
+    """`base` with `over`'s keys on top; nested mappings merge key by key."""
     out = dict(base)
     for k, v in over.items():
         out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
@@ -244,6 +245,8 @@ def read_yaml(path: str | pathlib.Path, _seen: tuple = ()) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"Config file {p} must hold a YAML mapping of keys to values.")
     base = data.pop("base", None)
+    if base is not None and not isinstance(base, str):
+        raise ConfigError(f"Config file {p}: `base:` must be a path to another YAML, got {base!r}.")
     return _merged(read_yaml(p.parent / base, (*_seen, p.resolve())), data) if base else data
 
 

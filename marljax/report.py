@@ -52,9 +52,9 @@ def summarize(run_dir: str | pathlib.Path) -> dict[str, Any]:
         s = detect_cliff(steps, acc, total_steps=total, cfg=cliff_cfg)
         out.update(base=s["base"], peak=s["peak"], peak_step=s["best_step"], final=s["final"],
                    delta=s["final"] - s["base"], cliff=bool(s["cliff"]))
-        n = [r.get("eval/n_problems", 0) * r.get("eval/k", 1) for r in records if "eval/pass@1" in r]
+        n = _eval_sizes(records)
         if n[0] and n[-1]:
-            out["noise"] = math.sqrt(s["base"] * (1 - s["base"]) / n[0] + s["final"] * (1 - s["final"]) / n[-1])
+            out["noise"] = math.hypot(_se(s["base"], n[0]), _se(s["final"], n[-1]))
     doms = [r["diag/dominant_role"] for r in records if "diag/dominant_role" in r]
     shares = [r["diag/dominant_share"] for r in records if isinstance(r.get("diag/dominant_share"), float)
               and math.isfinite(r["diag/dominant_share"])]
@@ -62,6 +62,16 @@ def summarize(run_dir: str | pathlib.Path) -> dict[str, Any]:
         out["dominant_role"] = max(set(doms), key=doms.count)
         out["dominant_share"] = shares[-1] if shares else float("nan")
     return out
+
+
+def _eval_sizes(records: list[dict]) -> list[float]:
+    """Graded episodes behind each eval (`eval/n_problems` × `eval/k`; 0 when not logged)."""
+    return [r.get("eval/n_problems", 0) * r.get("eval/k", 1) for r in records if "eval/pass@1" in r]
+
+
+def _se(p: float, n: float) -> float:
+    """Binomial standard error of an accuracy p over n episodes (0 when n is unknown)."""
+    return math.sqrt(p * (1 - p) / n) if n else 0.0
 
 
 def _sharing_roles(policy: Any, roles: list[str]) -> list[str]:
@@ -91,8 +101,7 @@ def plot_run(run_dir: pathlib.Path, out_dir: pathlib.Path) -> list[pathlib.Path]
     fig, ax = plt.subplots(figsize=(6.4, 4))
     steps, acc = _series(records, "eval/pass@1")
     if steps:
-        n = [r.get("eval/n_problems", 0) * r.get("eval/k", 1) for r in records if "eval/pass@1" in r]
-        err = [math.sqrt(a * (1 - a) / k) if k else 0.0 for a, k in zip(acc, n)]
+        err = [_se(a, k) for a, k in zip(acc, _eval_sizes(records))]
         ax.errorbar(steps, acc, yerr=err if any(err) else None, fmt="o-", capsize=4,
                     label="workflow pass@1 (held-out" + (", ± 1 s.e.)" if any(err) else ")"))
         ax.axhline(summary["base"], color="gray", ls="--", label=f"base {summary['base']:.3f}")

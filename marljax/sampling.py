@@ -59,8 +59,9 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 
 def bucket_rows(n: int) -> int:
-    """Batch rows for n sequences: a power of two up to 8, then a multiple of max(8, bucket(n) / 16), so
-    at most 8 shapes per doubling and < 12.5% padding (a power of two would pad 48 rows to 64, 288 to 512)."""
+    """Batch rows for n sequences: a power of two up to 8, then a multiple of max(8, bucket(n) / 16): at most
+    8 shapes per doubling, under 8 padding rows up to 128 and under 12.5% above (a power of two would pad
+    48 rows to 64, 288 to 512)."""
     p = bucket(n)
     if p <= 8:
         return p

@@ -33,6 +33,9 @@ def test_base_file_is_read_first_and_overridden_section_by_section(tmp_path):
     (tmp_path / "a.yaml").write_text("base: b.yaml\n")
     with pytest.raises(ConfigError, match="includes itself"):
         load_config(str(tmp_path / "b.yaml"))
+    (tmp_path / "d.yaml").write_text("base: [a.yaml]\n")
+    with pytest.raises(ConfigError, match="must be a path"):
+        load_config(str(tmp_path / "d.yaml"))
     (tmp_path / "c.yaml").write_text("base: missing.yaml\n")
     with pytest.raises(ConfigError, match="missing.yaml does not exist"):
         load_config(str(tmp_path / "c.yaml"))
