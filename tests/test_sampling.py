@@ -9,7 +9,9 @@ import pytest
 from flax import nnx
 
 from marljax.models.decoder import Decoder, ModelConfig
-from marljax.sampling import SamplingParams, bucket, bucket_rows, choose, generate
+from marljax.rl.lora import LoRAConfig, init_lora, merged_model
+from marljax.sampling import (SamplingParams, bucket, bucket_rows, choose, first_argmax, generate,
+                              layer_weights)
 
 CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, rope_theta=10_000.0, tie_embeddings=False)
@@ -58,6 +60,34 @@ def test_stop_tokens_end_a_sequence(model):
         else:
             assert got == full and not fin
     assert out.finished[1] and out.tokens[1][-1] == stop
+
+
+def test_first_argmax_equals_argmax_with_ties():
+    x = jax.random.normal(jax.random.key(0), (6, 50))
+    x = x.at[1, 7].set(9.0).at[1, 30].set(9.0).at[2].set(0.0).at[3, -1].set(9.0)  # ties, flat, last
+    np.testing.assert_array_equal(first_argmax(x), jnp.argmax(x, axis=-1))
+    assert first_argmax(x)[1] == 7 and first_argmax(x)[2] == 0 and first_argmax(x)[3] == 49
+
+
+def test_layer_weights_fold_a_lora_adapter_exactly(model):
+    """Sampling from `layer_weights(model, adapter)` is sampling from the merged model: the per-layer
+    weights equal `merged_model`'s bitwise, and so do the tokens and logprobs (adapters on the last
+    layer only, the other layer passes through unchanged)."""
+    lc = LoRAConfig(rank=4, alpha=8.0, layers=1)
+    adapter = init_lora(CFG, lc, jax.random.key(3))
+    adapter = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(4), a.shape), adapter)
+    merged = merged_model(model, adapter, lc.scale)
+    layers = layer_weights(model, adapter, lc.scale)
+    for i, (got, want) in enumerate(zip(layers, merged.layer_list())):
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"layer {i} {name}")
+    assert not np.array_equal(layers[1]["wq"], model.layers["wq"][...][1])  # the adapter did something
+    sp = SamplingParams(max_new_tokens=8, temperature=1.0, seed=2)
+    a, b = generate(model, PROMPTS, sp, layers=layers), generate(merged, PROMPTS, sp)
+    assert a.tokens == b.tokens
+    np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
+    plain = generate(model, PROMPTS, sp, layers=layer_weights(model))
+    assert plain.tokens == generate(model, PROMPTS, sp).tokens
 
 
 def test_sampling_is_deterministic_per_seed(model):

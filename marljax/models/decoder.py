@@ -169,34 +169,35 @@ class Decoder(nnx.Module):
         return constrain(logits, ("batch", *("length",) * (logits.ndim - 2), "act_vocab"))
 
     def hidden(self, tokens_bt, positions_bt=None, *, cache=None, lora=None, lora_scale=1.0,
-               kv_mask_bs=None, remat=False):
+               kv_mask_bs=None, remat=False, layers=None):
         """Last hidden states [B, T, D] (before the final norm) and the updated cache (or None).
 
-        Without a cache, attention is causal over the T tokens (`kv_mask_bs` [B, T] may mark padded
-        keys). With a cache {"k","v": [L, B, S, K, Dh]}, the T new tokens of row b are written at
-        columns positions_bt[b, 0] … + T − 1 and attend every column ≤ their own position: cache
-        column = absolute position, so right-padded prompts need no extra mask. `remat` recomputes each
-        layer in the backward pass instead of storing its activations (training memory ∝ layers × B·T·D,
-        not layers × B·heads·T²).
+        Without a cache, the stacked layers run under `lax.scan` and attention is causal over the T
+        tokens (`kv_mask_bs` [B, T] may mark padded keys); `remat` recomputes each layer in the backward
+        pass instead of storing its activations (training memory ∝ layers × B·T·D, not
+        layers × B·heads·T²). With a cache (`init_cache`: one per layer), the
+        T new tokens of row b are written at columns positions_bt[b, 0] … + T − 1 and attend every
+        column ≤ their own position (cache column = absolute position, so right-padded prompts need no
+        extra mask). The cached path runs the layers as a Python loop over per-layer weights: a scan
+        would copy each layer's weight and cache slices out of the stacked arrays on every step.
+        Pass `layers=self.layer_list()`, made once outside a decode loop, to read those weights in
+        place.
         """
         c = self.config
         B, T = tokens_bt.shape
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         x = constrain(jnp.take(self.embed[...], tokens_bt, axis=0), ("batch", "length", "act_embed"))
-        layer_params = {k: v[...] for k, v in self.layers.items()}
         if cache is None:
             key_pos_bs = positions_bt
         else:
-            S = cache["k"].shape[2]
+            S = cache[0]["k"].shape[2]
             key_pos_bs = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         mask_bts = key_pos_bs[:, None, :] <= positions_bt[:, :, None]
         if kv_mask_bs is not None:
             mask_bts = mask_bts & kv_mask_bs[:, None, :]
 
-        def block(carry, xs):
-            x, cache = carry
-            p, lora_l, layer = xs
+        def block(x, p, lora_l, kv):
             h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
             q = constrain(linear(h, p["wq"], "wq", lora_l, lora_scale, 1), _HEADS)
             k = constrain(linear(h, p["wk"], "wk", lora_l, lora_scale, 1), _KV_HEADS)
@@ -206,58 +207,79 @@ class Decoder(nnx.Module):
                 k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
             q = rope(q, positions_bt, c.rope_theta)
             k = rope(k, positions_bt, c.rope_theta)
-            if cache is not None:
-                # Scatter the new tokens into the carried cache: XLA updates it in place, so a decode step
-                # writes B·T entries per layer instead of rewriting the whole cache.
+            if kv is None:
+                k_bksd, v_bkds = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1)
+            else:  # scatter the new tokens into this layer's cache (in place under jit)
                 rows_bt = jnp.broadcast_to(jnp.arange(B)[:, None], positions_bt.shape)
-                cache = {"k": cache["k"].at[layer, rows_bt, positions_bt].set(k.astype(cache["k"].dtype)),
-                         "v": cache["v"].at[layer, rows_bt, positions_bt].set(v.astype(cache["v"].dtype))}
-                k = jax.lax.dynamic_index_in_dim(cache["k"], layer, 0, keepdims=False)
-                v = jax.lax.dynamic_index_in_dim(cache["v"], layer, 0, keepdims=False)
-            attn = constrain(attention(q, k, v, mask_bts), _HEADS)
+                kv = {"k": kv["k"].at[rows_bt, :, positions_bt].set(k.astype(kv["k"].dtype)),
+                      "v": kv["v"].at[rows_bt, :, :, positions_bt].set(v.astype(kv["v"].dtype))}
+                k_bksd, v_bkds = kv["k"], kv["v"]
+            attn = constrain(attention(q, k_bksd, v_bkds, mask_bts), _HEADS)
             x = x + linear(attn, p["wo"], "wo", lora_l, lora_scale, 2)
             h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
             gate = linear(h, p["w_gate"], "w_gate", lora_l, lora_scale, 1)
             up = linear(h, p["w_up"], "w_up", lora_l, lora_scale, 1)
             act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
             x = x + linear(act, p["w_down"], "w_down", lora_l, lora_scale, 1)
-            return (constrain(x, ("batch", "length", "act_embed")), cache), None
+            return constrain(x, ("batch", "length", "act_embed")), kv
+
+        n_adapted = c.num_layers if lora is None else jax.tree.leaves(lora)[0].shape[0]
+        split = c.num_layers - n_adapted  # adapters cover the last n_adapted layers
+        if cache is not None:
+            layers = self.layer_list() if layers is None else layers
+            new_cache = []
+            for i, p in enumerate(layers):
+                lora_l = None if lora is None or i < split else jax.tree.map(lambda a: a[i - split], lora)
+                x, kv = block(x, p, lora_l, cache[i])
+                new_cache.append(kv)
+            return x, new_cache
+
+        def scan_block(x, xs):
+            return block(x, *xs, None)[0], None
 
         if remat:
-            block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
-        layers = jnp.arange(c.num_layers, dtype=jnp.int32)
-        n_adapted = c.num_layers if lora is None else jax.tree.leaves(lora)[0].shape[0]
-        split = c.num_layers - n_adapted
+            scan_block = jax.checkpoint(scan_block, policy=jax.checkpoint_policies.nothing_saveable)
+        layer_params = {k: v[...] for k, v in self.layers.items()}
         if split:  # adapters on the last n layers only: the frozen bottom runs without them, and its
             # activations are constants for the adapters' gradient (no backward pass through it)
-            p_lo = jax.tree.map(lambda a: a[:split], layer_params)
-            (x, cache), _ = jax.lax.scan(block, (x, cache), (p_lo, None, layers[:split]))
-        p_hi = jax.tree.map(lambda a: a[split:], layer_params)
-        (x, cache), _ = jax.lax.scan(block, (x, cache), (p_hi, lora, layers[split:]))
-        return x, cache
+            x, _ = jax.lax.scan(scan_block, x, (jax.tree.map(lambda a: a[:split], layer_params), None))
+        x, _ = jax.lax.scan(scan_block, x, (jax.tree.map(lambda a: a[split:], layer_params), lora))
+        return x, None
+
+    def layer_list(self) -> list[dict]:
+        """Per-layer weights {name: array} sliced out of the stacked parameters (for the cached path)."""
+        stacked = {k: v[...] for k, v in self.layers.items()}
+        return [{k: v[i] for k, v in stacked.items()} for i in range(self.config.num_layers)]
 
 
 _HEADS = ("batch", "length", "act_heads", "head_dim")
 _KV_HEADS = ("batch", "length", "act_kv_heads", "head_dim")
 
 
-def attention(q_bthd, k_bskd, v_bskd, mask_bts):
-    """Grouped-query softmax attention with a boolean mask; softmax in float32."""
+def attention(q_bthd, k_bksd, v_bkds, mask_bts):
+    """Grouped-query softmax attention with a boolean mask; softmax in float32.
+
+    Keys come as [B, K, S, Dh] and values as [B, K, Dh, S]: the layouts the two batched matmuls read
+    without a transposed copy (the KV cache is stored this way, so a decode step copies nothing).
+    """
     B, T, H, Dh = q_bthd.shape
-    K = k_bskd.shape[2]
+    K = k_bksd.shape[1]
     q = q_bthd.reshape(B, T, K, H // K, Dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_bskd, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k_bksd, preferred_element_type=jnp.float32)
     scores = scores * (Dh ** -0.5)
     # A finite floor (not -inf) keeps fully masked padding rows NaN-free in value and gradient.
     scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_bskd.dtype), v_bskd)
+    out = jnp.einsum("bkgts,bkds->btkgd", probs.astype(v_bkds.dtype), v_bkds)
     return out.reshape(B, T, H, Dh)
 
 
-def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> dict[str, Any]:
-    """Zeroed KV cache {"k","v": [layers, batch, length, kv_heads, head_dim]} (sharded on a mesh)."""
-    shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
+def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> list[dict[str, Any]]:
+    """Zeroed KV cache, per layer {"k": [batch, kv_heads, length, head_dim], "v": [batch, kv_heads,
+    head_dim, length]} (the layouts `attention` reads in place; sharded on a mesh)."""
     dt = dtype or config.jnp_dtype
-    axes = ("layers", "batch", "length", "act_kv_heads", "head_dim")
-    return {"k": constrain(jnp.zeros(shape, dt), axes), "v": constrain(jnp.zeros(shape, dt), axes)}
+    B, K, Dh, S = batch, config.num_kv_heads, config.head_dim, length
+    k_axes = ("batch", "act_kv_heads", "length", "head_dim")
+    v_axes = ("batch", "act_kv_heads", "head_dim", "length")
+    return [{"k": constrain(jnp.zeros((B, K, S, Dh), dt), k_axes),
+             "v": constrain(jnp.zeros((B, K, Dh, S), dt), v_axes)} for _ in range(config.num_layers)]
