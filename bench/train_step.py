@@ -1,8 +1,13 @@
-"""Train-step throughput on SmolLM2-135M: tokens/s and achieved FLOP/s, LoRA and full fine-tuning, vs the
-machine's measured XLA fp32 matmul rate, in one run (the contenders alternate).
+"""Train-step throughput on SmolLM2-135M: tokens/s and model FLOP utilisation, LoRA and full fine-tuning,
+each with full and `dots` rematerialisation, vs the machine's measured XLA fp32 matmul rate, in one run
+(the contenders alternate).
 
-Model FLOPs counted per token: 2·P_dense forward, +2·P_dense for activation gradients, +2·P_dense weight
-gradients for full fine-tuning (LoRA: ≈ 0), +1 forward again for remat; attention terms included.
+Model FLOPs (what the step must compute, whatever it recomputes), per sequence token: forward 2·P_layers
++ attention (2·heads·head_dim·T/2 multiply-adds, causal), backward twice that for activation gradients,
+plus 2·P_layers weight gradients for full fine-tuning; the output projection (D × vocab) for response
+tokens only, forward + input gradient (+ embedding gradient for full fine-tuning); LoRA's rank-r matmuls
+(< 1%) are not counted. MFU = model FLOP/s ÷ roof. Executed FLOP/s adds what remat recomputes: the
+layers' forward for `full`, the attention forward for `dots`.
 
     python bench/train_step.py [--batch 8] [--length 256] [--repeats 3] [--write]
 """
@@ -22,16 +27,19 @@ from marljax.rl.lora import LoRAConfig, init_lora
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack
 
 
-def step_flops(cfg, n_tokens: int, length: int, full: bool) -> float:
+def step_flops(cfg, rows: int, length: int, resp: int, full: bool, remat: str) -> tuple[float, float]:
+    """(model FLOPs, executed FLOPs) of one step over rows × length tokens, resp response tokens per row."""
     dense = 0
     for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
         i, o = cfg.linear_shape(name)
         dense += int(np.prod(i)) * int(np.prod(o))
     dense *= cfg.num_layers
-    attn = cfg.num_layers * 2 * cfg.num_heads * cfg.head_dim * length / 2  # causal, per token
-    fwd = 2 * (dense + attn)
-    passes = 3 + (1 if full else 0)  # remat forward + forward + activation grads (+ weight grads)
-    return n_tokens * fwd * passes
+    attn = cfg.num_layers * 2 * cfg.num_heads * cfg.head_dim * length / 2  # multiply-adds per token
+    head = cfg.hidden_size * cfg.vocab_size
+    tokens = rows * length
+    model = tokens * (2 * dense * (3 if full else 2) + 2 * attn * 3) + rows * resp * 2 * head * (3 if full else 2)
+    recompute = {"full": tokens * 2 * (dense + attn), "dots": tokens * 2 * attn, "none": 0.0}[remat]
+    return model, model + recompute
 
 
 def main():
@@ -51,14 +59,15 @@ def main():
     opt = make_optimizer()
     lc = LoRAConfig(rank=16, alpha=32)
     contenders = {}
-    for mode in ("LoRA r16, all layers", "full fine-tuning"):
-        lora = mode.startswith("LoRA")
-        step_cfg = StepConfig(route=(("generator", "g"),), lora_scale=lc.scale if lora else None,
-                              minibatch="balanced")
-        tr = Trainer(model, step_cfg, opt)
-        params = {"g": init_lora(cfg, lc, jax.random.key(0)) if lora
-                  else jax.tree.map(jax.numpy.array, tr.base_state)}
-        contenders[mode] = [tr, params, {"g": opt.init(params["g"])}]
+    for mode in ("LoRA r16", "full fine-tuning"):
+        for remat in ("full", "dots"):
+            lora = mode.startswith("LoRA")
+            step_cfg = StepConfig(route=(("generator", "g"),), lora_scale=lc.scale if lora else None,
+                                  minibatch="balanced", remat=remat)
+            tr = Trainer(model, step_cfg, opt)
+            params = {"g": init_lora(cfg, lc, jax.random.key(0)) if lora
+                      else jax.tree.map(jax.numpy.array, tr.base_state)}
+            contenders[(mode, remat)] = [tr, params, {"g": opt.init(params["g"])}]
     roof = matmul_gflops()
     times = {m: [] for m in contenders}
     for rep in range(args.repeats + 1):
@@ -70,19 +79,21 @@ def main():
             if rep:  # the first round compiles
                 times[mode].append(time.perf_counter() - t)
             c[1], c[2] = params, opt_state
-    length = batch["generator"].tokens_nt.shape[1]
+    length, resp = batch["generator"].tokens_nt.shape[1], batch["generator"].resp_mask_nr.shape[1]
     n_tokens = args.batch * length
     lines = ["## Train step (SmolLM2-135M, CPU)", "",
              f"`python bench/train_step.py --batch {args.batch} --length {args.length} --repeats {args.repeats}` "
              f"on {time.strftime('%Y-%m-%d %H:%M')}, {machine()}, jax {jax.__version__}; one `Trainer.update` "
-             f"(PPO loss, per-role diagnostics, AdamW) on {args.batch} × {length} tokens, the contenders "
-             f"alternating; XLA fp32 matmul roof measured in the same run: {roof:.1f} GFLOP/s. FLOPs as "
-             "counted in the script's docstring.", "",
-             "| mode | step s (median) | tokens/s | model GFLOP/s | % of roof |", "|---|---|---|---|---|"]
-    for mode, ts in times.items():
+             f"(PPO loss, per-role diagnostics, AdamW) on {args.batch} × {length} tokens ({resp} response "
+             "tokens per row), the contenders alternating, medians; XLA fp32 matmul roof measured in the same "
+             f"run: {roof:.1f} GFLOP/s. Model and executed FLOPs as the script's docstring counts them.", "",
+             "| mode | remat | step s | tokens/s | model GFLOP/s | MFU (% of roof) | executed GFLOP/s |",
+             "|---|---|---|---|---|---|---|"]
+    for (mode, remat), ts in times.items():
         s = statistics.median(ts)
-        gf = step_flops(cfg, n_tokens, length, not mode.startswith("LoRA")) / s / 1e9
-        lines.append(f"| {mode} | {s:.2f} | {n_tokens / s:.0f} | {gf:.1f} | {100 * gf / roof:.0f}% |")
+        model_f, exec_f = step_flops(cfg, args.batch, length, resp, not mode.startswith("LoRA"), remat)
+        lines.append(f"| {mode} | {remat} | {s:.2f} | {n_tokens / s:.0f} | {model_f / s / 1e9:.1f} | "
+                     f"{100 * model_f / s / 1e9 / roof:.0f}% | {exec_f / s / 1e9:.1f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.write:

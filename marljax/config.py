@@ -62,6 +62,7 @@ class RLSection:
     damping_lambda: float = 0.0  # I6: 1 − λ·clamp(cos(g, EMA g), 0, 1); the paper's λ ≤ 0.3
     damping_ema: float = 0.9
     logprob_temperature: float | None = None  # None: the sampling temperature (as verl)
+    remat: str = "full"  # backward-pass recompute (models.decoder.REMAT): full | dots | none
 
 
 @dataclasses.dataclass

@@ -155,3 +155,22 @@ def test_minibatches_paper_vs_balanced():
     assert [len(mb.get("aggregator", [])) for mb in paper] == [4, 0, 0]
     balanced = minibatches(samples, StepConfig(route=route, minibatch="balanced", minibatch_size=4))
     assert len(balanced) == 1 and len(balanced[0]["generator"]) == 12
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_remat_policies_give_the_same_gradient(lora):
+    """`rl.remat` only trades memory for recompute: full, dots and none give one gradient (≤ 1e-6 rel)
+    for LoRA and for full fine-tuning, and an unknown policy is refused by name."""
+    model = _model()
+    batch = pack(_samples("generator", 4, 3))
+    grads = {}
+    for remat in ("full", "dots", "none"):
+        cfg = StepConfig(route=(("generator", "s"),), lora_scale=LORA.scale if lora else None, remat=remat)
+        tr = Trainer(model, cfg, make_optimizer())
+        params = _adapter(2) if lora else jax.tree.map(jnp.array, tr.base_state)
+        grads[remat] = jax.jit(jax.grad(lambda t: tr.role_loss(t, batch, "generator", False)[0]))(params)
+    assert optax.tree.norm(grads["none"]) > 0
+    for remat in ("full", "dots"):
+        assert _rel(grads[remat], grads["none"]) <= 1e-6, remat
+    with pytest.raises(ValueError, match="rl.remat='some'.*dots"):
+        StepConfig(route=(("generator", "s"),), remat="some")

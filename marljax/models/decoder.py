@@ -106,17 +106,24 @@ def rope(x_bthd, positions_bt, theta):
 
 
 def linear(x, w, name: str, lora_layer: dict | None, lora_scale: float, n_in: int):
-    """x[..., *in] @ w[*in, *out], plus the LoRA term scale·(x A) B when `lora_layer` has `name`."""
+    """x[..., *in] @ w[*in, *out], plus the LoRA term scale·(x A) B when `lora_layer` has `name`.
+
+    Leading axes are flattened to one token axis first: a weight or adapter gradient then contracts a
+    single axis, where two (batch, length) make XLA CPU transpose the whole cotangent first (fused with
+    its producer at a token stride: ~25% of a SmolLM2 LoRA step).
+    """
+    lead = x.shape[:-n_in]
+    x = x.reshape((-1,) + x.shape[len(lead):])
     in_axes = "ijk"[:n_in]
     n_out = w.ndim - n_in
     out_axes = "xyz"[:n_out]
-    y = jnp.einsum(f"...{in_axes},{in_axes}{out_axes}->...{out_axes}", x, w)
+    y = jnp.einsum(f"t{in_axes},{in_axes}{out_axes}->t{out_axes}", x, w)
     if lora_layer is not None and name in lora_layer:
         a, b = lora_layer[name]["a"], lora_layer[name]["b"]  # a: [*in, r], b: [r, *out]
-        h = jnp.einsum(f"...{in_axes},{in_axes}r->...r", x, a.astype(x.dtype))
-        delta = lora_scale * jnp.einsum(f"...r,r{out_axes}->...{out_axes}", h, b.astype(x.dtype))
+        h = jnp.einsum(f"t{in_axes},{in_axes}r->tr", x, a.astype(x.dtype))
+        delta = lora_scale * jnp.einsum(f"tr,r{out_axes}->t{out_axes}", h, b.astype(x.dtype))
         y = y + delta.astype(y.dtype)  # a float32 scale must not promote a bfloat16 model
-    return y
+    return y.reshape(lead + y.shape[1:])
 
 
 class Decoder(nnx.Module):
@@ -169,15 +176,14 @@ class Decoder(nnx.Module):
         return constrain(logits, ("batch", *("length",) * (logits.ndim - 2), "act_vocab"))
 
     def hidden(self, tokens_bt, positions_bt=None, *, cache=None, lora=None, lora_scale=1.0,
-               kv_mask_bs=None, remat=False, layers=None):
+               kv_mask_bs=None, remat: str = "none", layers=None):
         """Last hidden states [B, T, D] (before the final norm) and the updated cache (or None).
 
         Without a cache, the stacked layers run under `lax.scan` and attention is causal over the T
-        tokens (`kv_mask_bs` [B, T] may mark padded keys); `remat` recomputes each layer in the backward
-        pass instead of storing its activations (training memory ∝ layers × B·T·D, not
-        layers × B·heads·T²). With a cache (`init_cache`: one per layer), the
-        T new tokens of row b are written at columns positions_bt[b, 0] … + T − 1 and attend every
-        column ≤ their own position (cache column = absolute position, so right-padded prompts need no
+        tokens (`kv_mask_bs` [B, T] may mark padded keys); `remat` (see `REMAT`) trades backward-pass
+        recomputation for activation memory. With a cache (`init_cache`: one per layer), the T new
+        tokens of row b are written at columns positions_bt[b, 0] … + T − 1 and attend every column ≤
+        their own position (cache column = absolute position, so right-padded prompts need no
         extra mask). The cached path runs the layers as a Python loop over per-layer weights: a scan
         would copy each layer's weight and cache slices out of the stacked arrays on every step.
         Pass `layers=self.layer_list()`, made once outside a decode loop, to read those weights in
@@ -237,8 +243,10 @@ class Decoder(nnx.Module):
         def scan_block(x, xs):
             return block(x, *xs, None)[0], None
 
-        if remat:
-            scan_block = jax.checkpoint(scan_block, policy=jax.checkpoint_policies.nothing_saveable)
+        if remat not in REMAT:
+            raise ValueError(f"remat={remat!r}; choose from {sorted(REMAT)}.")
+        if REMAT[remat] is not None:
+            scan_block = jax.checkpoint(scan_block, policy=REMAT[remat])
         layer_params = {k: v[...] for k, v in self.layers.items()}
         if split:  # adapters on the last n layers only: the frozen bottom runs without them, and its
             # activations are constants for the adapters' gradient (no backward pass through it)
@@ -251,6 +259,15 @@ class Decoder(nnx.Module):
         stacked = {k: v[...] for k, v in self.layers.items()}
         return [{k: v[i] for k, v in stacked.items()} for i in range(self.config.num_layers)]
 
+
+# Activation rematerialisation in the backward pass: what each layer keeps from its forward pass.
+REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,  # memory ∝ layers × B·T·D; one more forward
+    # keep the linear maps' outputs (q, k, v, o, gate, up, down: 9·D floats per token and layer for
+    # SmolLM2); only norms, RoPE, attention and the MLP activation are recomputed
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "none": None,  # keep everything, attention probabilities included (∝ layers × B·heads·T²)
+}
 
 _HEADS = ("batch", "length", "act_heads", "head_dim")
 _KV_HEADS = ("batch", "length", "act_kv_heads", "head_dim")
