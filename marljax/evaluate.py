@@ -12,6 +12,7 @@ import json
 import pathlib
 import sys
 
+from marljax import compile_cache
 from marljax.config import ConfigError, load_config
 
 
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", help="write metrics.json and transcripts.jsonl here")
     ap.add_argument("overrides", nargs="*", help="key=value; n=N, checkpoint=RUN_DIR are shortcuts")
     args = ap.parse_args(argv)
+    compile_cache.enable()
     overrides, checkpoint = [], None
     for item in args.overrides:
         key, _, value = item.partition("=")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from marljax import compile_cache
 from marljax.models import ChatCodec, load_model, load_tokenizer
 from marljax.sampling import SamplingParams, generate
 
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
+    compile_cache.enable()
     model = load_model(args.model, dtype=args.dtype)
     codec = ChatCodec(load_tokenizer(args.model))
     if args.chat:

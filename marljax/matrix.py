@@ -11,7 +11,8 @@ isolated}, plus single-agent × {math, code} × the three models. Hyperparameter
 The estimates are an explicit model, per chip, stated so they can be checked:
   memory  base weights (bfloat16; sharded over fsdp × tensor, replicated over data) + LoRA float32
           × parameter sets + Adam moments (2 × LoRA) + per-role LoRA gradients + train activations
-          or the sampler's KV cache, whichever is larger (training and sampling alternate). The KV
+          or the sampler's KV cache plus its per-layer copy of the weights with LoRA folded in
+          (`sampling.layer_weights`), whichever is larger (training and sampling alternate). The KV
           budget left over becomes `sampling.max_cache_tokens`. Activations assume what the paper's
           lengths need from a trainer: micro-batches of one row per chip, layer rematerialisation,
           a flash-style attention (no T² scores) and log-probs in chunks of 1,024 positions.
@@ -174,10 +175,17 @@ class Memory:
     grads: float
     activations: float
     kv_cache: float
+    rollout_weights: float  # the sampler's per-layer merged copy of the layers' weights
 
     @property
     def peak(self) -> float:
-        return self.base + self.lora + self.optimizer + max(self.grads + self.activations, self.kv_cache)
+        return self.base + self.lora + self.optimizer + max(self.grads + self.activations,
+                                                            self.kv_cache + self.rollout_weights)
+
+
+def layer_params(cfg: ModelConfig) -> int:
+    """Parameters of the decoder layers (everything but the embedding, output head and final norm)."""
+    return cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2) - cfg.hidden_size
 
 
 def memory(cfg: ModelConfig, *, dtype: str, n_sets: int, n_roles: int, rank: int,
@@ -201,7 +209,8 @@ def memory(cfg: ModelConfig, *, dtype: str, n_sets: int, n_roles: int, rank: int
         optimizer=2 * n_sets * lora_set,
         grads=n_roles * lora_set,
         activations=residuals + layer + logits,
-        kv_cache=rows_chip(cache_rows) * cache_len * kv_bytes_per_token(cfg, dtype) / kv_tensor)
+        kv_cache=rows_chip(cache_rows) * cache_len * kv_bytes_per_token(cfg, dtype) / kv_tensor,
+        rollout_weights=layer_params(cfg) * b / shard)
 
 
 # ---- per-cell estimate ----------------------------------------------------------------------------
@@ -286,7 +295,7 @@ def estimate(cell: Cell, acc: Accelerator, steps: int = STEPS) -> Estimate:
     fixed = memory(cfg, dtype=acc.dtype, n_sets=cell.n_sets, n_roles=len(cell.roles), rank=LORA_RANK,
                    mesh=mesh, cache_rows=0, cache_len=0, train_rows=data * fsdp, train_len=longest,
                    response_len=MAX_RESPONSE)
-    free = HBM_USABLE * acc.hbm_gb * 1e9 - (fixed.base + fixed.lora + fixed.optimizer)
+    free = HBM_USABLE * acc.hbm_gb * 1e9 - (fixed.base + fixed.lora + fixed.optimizer + fixed.rollout_weights)
     kv_tensor = tensor if cfg.num_kv_heads % tensor == 0 else 1
     max_cache_tokens = max(0, int(free * data * fsdp * kv_tensor / kv_bytes_per_token(cfg, acc.dtype)))
     max_cache_tokens -= max_cache_tokens % 1024
@@ -348,15 +357,17 @@ def plan(estimates: list[Estimate], slices: int) -> dict[str, int]:
 def table(estimates: list[Estimate], acc: Accelerator, slices: int) -> str:
     where = plan(estimates, slices)
     gb = lambda x: f"{x / 1e9:6.2f}"  # noqa: E731
-    head = (f"{'cell':38} sets mesh(d,f,t)  base   lora    opt  grads    act     kv   peak  fits "
+    head = (f"{'cell':38} sets mesh(d,f,t)  base   lora    opt  grads    act     kv  rollw   peak  fits "
             f"cache_tok  sample_s train_s  run_h slice")
     lines = [f"# accelerator {acc.name}: {acc.chips} chips × {acc.hbm_gb} GB HBM, {acc.tflops} TFLOP/s, "
-             f"{acc.hbm_gbs} GB/s HBM, {acc.ici_gbs} GB/s ICI; {acc.dtype} base; memory in GB per chip; "
-             f"times are roofline upper bounds (MFU {MFU}, HBM efficiency {HBM_EFFICIENCY})", head]
+             f"{acc.hbm_gbs} GB/s HBM, {acc.ici_gbs} GB/s ICI; {acc.dtype} base; memory in GB per chip "
+             f"(rollw: the sampler's merged per-layer weights); times are roofline upper bounds "
+             f"(MFU {MFU}, HBM efficiency {HBM_EFFICIENCY})", head]
     for e in estimates:
         m = e.memory
         lines.append(f"{e.cell.name:38} {e.cell.n_sets:4d} {str(e.mesh):12} {gb(m.base)} {gb(m.lora)} "
-                     f"{gb(m.optimizer)} {gb(m.grads)} {gb(m.activations)} {gb(m.kv_cache)} {gb(m.peak)} "
+                     f"{gb(m.optimizer)} {gb(m.grads)} {gb(m.activations)} {gb(m.kv_cache)} {gb(m.rollout_weights)} "
+                     f"{gb(m.peak)} "
                      f"{'yes' if e.fits else 'NO':>4} {e.max_cache_tokens:10d} {e.sample_s:9.0f} "
                      f"{e.train_s:7.0f} {e.run_hours:6.1f} {where[e.cell.name]:5d}")
     per_slice = [sum(e.run_hours for e in estimates if where[e.cell.name] == i) for i in range(slices)]

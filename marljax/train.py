@@ -23,7 +23,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from marljax import sharding
+from marljax import compile_cache, sharding
 from marljax.checkpoint import Checkpointer
 from marljax.config import Config, ConfigError, load_config, to_dict
 from marljax.metrics import MetricsLogger
@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rl.clip_high=0.28")
     args = parser.parse_args(argv)
     sharding.initialize_distributed()
+    compile_cache.enable()
     try:
         cfg = load_config(args.config, args.overrides,
                           default_file=str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None)

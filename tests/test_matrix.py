@@ -12,6 +12,7 @@ from marljax.models.decoder import Decoder, init_cache
 from marljax.models.presets import PRESETS
 from marljax.rl.lora import LoRAConfig, init_lora
 from marljax.rl.step import make_optimizer
+from marljax.sampling import layer_weights
 
 
 def test_dry_run_prints_one_row_per_cell(capsys):
@@ -56,7 +57,8 @@ def _live_bytes() -> int:
 
 def test_memory_formula_matches_a_tiny_qwen3_run():
     """Qwen3-0.6B widths and vocabulary with 2 layers, bfloat16 base, two rank-64 LoRA sets with Adam,
-    a 4 × 512 KV cache: the live device bytes match the formula within 20% (term by term)."""
+    a 4 × 512 KV cache and the sampler's merged per-layer weights: the live device bytes match the
+    formula within 20% (term by term)."""
     cfg = dataclasses.replace(PRESETS["qwen3-0.6b"], num_layers=2, dtype="bfloat16")
     lora, sets, rows, length = LoRAConfig(rank=matrix.LORA_RANK, alpha=matrix.LORA_ALPHA), 2, 4, 512
     est = matrix.memory(cfg, dtype="bfloat16", n_sets=sets, n_roles=2, rank=lora.rank, mesh=(1, 1, 1),
@@ -72,11 +74,13 @@ def test_memory_formula_matches_a_tiny_qwen3_run():
     measured["optimizer"] = _live_bytes() - start - measured["base"] - measured["lora"]
     cache = init_cache(cfg, rows, length)
     measured["kv_cache"] = _live_bytes() - start - sum(measured.values())
+    layers = layer_weights(model, adapters[0], lora.scale)
+    measured["rollout_weights"] = _live_bytes() - start - sum(measured.values())
     for term, value in measured.items():
         assert getattr(est, term) == pytest.approx(value, rel=0.2), term
-    total = est.base + est.lora + est.optimizer + est.kv_cache
+    total = est.base + est.lora + est.optimizer + est.kv_cache + est.rollout_weights
     assert total == pytest.approx(sum(measured.values()), rel=0.2)
-    del model, adapters, states, cache
+    del model, adapters, states, cache, layers
 
 
 def test_mesh_choice_replicates_small_bases_and_shards_large_ones():
