@@ -1,0 +1,94 @@
+"""Where the time goes: per-op times of one sampler call or one train step, summed by HLO op and shape.
+
+Runs the program once to compile and warm up, then once under `jax.profiler` (Perfetto trace), and
+joins the trace's op events with the optimized HLO (dumped by XLA) to name each op by its JAX source
+(`op_name` metadata) and output shape. Ops on the two cores overlap, so the sum can exceed the wall time.
+
+    python bench/profile_ops.py sampler [--batch 16] [--new 32] [--top 30]
+    python bench/profile_ops.py step [--mode lora|full] [--remat full|dots|none] [--batch 8] [--length 256]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import pathlib
+import re
+import sys
+import tempfile
+import time
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["sampler", "step"])
+    ap.add_argument("--batch", type=int, default=None, help="rows (sampler: 16, step: 8)")
+    ap.add_argument("--new", type=int, default=32, help="sampler: new tokens (64-token prompts)")
+    ap.add_argument("--mode", choices=["lora", "full"], default="lora", help="step: LoRA r16 or full")
+    ap.add_argument("--remat", default="full", help="step: rl.remat")
+    ap.add_argument("--length", type=int, default=256, help="step: tokens per row")
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args()
+    work = pathlib.Path(tempfile.mkdtemp(prefix="marljax-profile-"))
+    module = "_sample" if args.what == "sampler" else "_update"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={work}/hlo "
+                               f"--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*{module}.*")
+    import jax
+    import numpy as np
+
+    from marljax.models import load_model
+    model = load_model("smollm2-135m-instruct")
+    rng = np.random.default_rng(0)
+    if args.what == "sampler":
+        from marljax.sampling import SamplingParams, generate, layer_weights
+        prompts = rng.integers(100, 40000, (args.batch or 16, 64)).tolist()
+        layers, sp = layer_weights(model), SamplingParams(max_new_tokens=args.new, temperature=0.0)
+        run = lambda: generate(model, prompts, sp, layers=layers)  # noqa: E731
+    else:
+        from marljax.rl.lora import LoRAConfig, init_lora
+        from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack
+        half = args.length // 2
+        batch = {"generator": pack([Sample("generator", rng.integers(10, 40000, half).tolist(),
+                                           rng.integers(10, 40000, half - 1).tolist(), float(rng.normal()))
+                                    for _ in range(args.batch or 8)])}
+        opt, lc = make_optimizer(), LoRAConfig(rank=16, alpha=32)
+        lora = args.mode == "lora"
+        tr = Trainer(model, StepConfig(route=(("generator", "g"),), lora_scale=lc.scale if lora else None,
+                                       minibatch="balanced", remat=args.remat), opt)
+        state = {"p": {"g": init_lora(model.config, lc, jax.random.key(0)) if lora
+                       else jax.tree.map(jax.numpy.array, tr.base_state)}}
+        state["o"] = {"g": opt.init(state["p"]["g"])}
+
+        def run():
+            state["p"], state["o"], _, _ = tr.update(state["p"], state["o"], {}, batch, np.float32(1e-5),
+                                                     recompute_old=False)
+            return jax.block_until_ready(state["p"])
+    run()
+    t = time.perf_counter()
+    run()
+    print(f"{args.what}: {time.perf_counter() - t:.2f} s per call (warm)")
+    with jax.profiler.trace(str(work / "trace"), create_perfetto_trace=True):
+        run()
+    names = {}
+    hlo = sorted((work / "hlo").glob(f"*{module}*after_optimizations.txt"))[-1]  # the last compiled
+    for line in hlo.read_text().splitlines():
+        m = re.match(r"\s+(?:ROOT )?%?([\w.\-]+) = (\S+) .*op_name=\"([^\"]+)\"", line)
+        if m:
+            names[m.group(1)] = ("/".join(m.group(3).split("/")[-2:]), m.group(2).split("{")[0])
+    trace = next((work / "trace").rglob("*.trace.json.gz"))
+    total, count = collections.Counter(), collections.Counter()
+    for e in json.load(gzip.open(trace))["traceEvents"]:
+        if e.get("ph") == "X" and e["name"] in names:
+            key = (re.sub(r"\.\d+$", "", e["name"]), *reversed(names[e["name"]]))
+            total[key] += e["dur"]
+            count[key] += 1
+    print(f"ops summed: {sum(total.values()) / 1e3:.0f} ms; top {args.top} by time (trace and HLO in {work}):")
+    print(f"{'ms':>9} {'calls':>6}  {'kind':26} {'shape':28} source")
+    for key, us in total.most_common(args.top):
+        print(f"{us / 1e3:9.1f} {count[key]:6d}  {key[0][:26]:26} {key[1][:28]:28} {key[2][:60]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
