@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from marljax.models.decoder import Decoder, init_cache
-from marljax.rl.lora import lora_delta
+from marljax.rl.lora import lora_delta, merged_weight
 from marljax.sharding import replicate
 
 
@@ -124,8 +124,7 @@ def _layer_weights(graphdef, state, adapter, scale):
     for name, delta in ({} if adapter is None else lora_delta(adapter, scale)).items():
         split = len(layers) - delta.shape[0]  # adapters cover the last layers
         for i in range(split, len(layers)):
-            w = layers[i][name]
-            layers[i][name] = (w.astype(jnp.float32) + delta[i - split]).astype(w.dtype)
+            layers[i][name] = merged_weight(layers[i][name], delta[i - split])
     return layers
 
 

@@ -80,8 +80,13 @@ def merged_model(model: Decoder, adapter: dict, scale: float) -> Decoder:
     for name, delta in lora_delta(adapter, scale).items():
         w = merged.layers[name]
         split = w.shape[0] - delta.shape[0]  # adapters cover the last layers
-        w[...] = w[...].at[split:].set((w[...][split:].astype(jnp.float32) + delta).astype(w.dtype))
+        w[...] = w[...].at[split:].set(merged_weight(w[...][split:], delta))
     return merged
+
+
+def merged_weight(w, delta):
+    """W + scale·AB computed in float32, in W's dtype: the one formula every merge uses."""
+    return (w.astype(jnp.float32) + delta).astype(w.dtype)
 
 
 def export_merged(model: Decoder, adapters: dict[str, dict], scale: float, out_dir, tokenizer=None) -> dict:
