@@ -9,11 +9,19 @@ tokens only, forward + input gradient (+ embedding gradient for full fine-tuning
 (< 1%) are not counted. MFU = model FLOP/s ÷ roof. Executed FLOP/s adds what remat recomputes: the
 layers' forward for `full`, the attention forward for `dots`.
 
+The machine drifts (±30% within minutes), so the roof is sampled before every timed step and once at
+the end, in the same alternation as the contenders, each sample and each step after a 1 s pause (a step
+frees gigabytes of buffers in the background, which slows whatever runs right after it): MFU is the median step's model FLOP/s over the
+median roof sample, and, more conservatively, over the highest roof sample of the run. Page faults and
+kernel CPU time per step (medians, from getrusage) show what XLA CPU's per-execution temp buffer costs:
+it is mmapped fresh on every call and faulted in page by page.
+
     python bench/train_step.py [--batch 8] [--length 256] [--repeats 3] [--write]
 """
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 
@@ -68,32 +76,46 @@ def main():
             params = {"g": init_lora(cfg, lc, jax.random.key(0)) if lora
                       else jax.tree.map(jax.numpy.array, tr.base_state)}
             contenders[(mode, remat)] = [tr, params, {"g": opt.init(params["g"])}]
-    roof = matmul_gflops()
     times = {m: [] for m in contenders}
+    faults = {m: [] for m in contenders}  # (minor page faults, kernel CPU s) per step
+    roofs = []
     for rep in range(args.repeats + 1):
-        for mode, c in contenders.items():
+        for key, c in contenders.items():
             tr, params, opt_state = c
-            t = time.perf_counter()
-            params, opt_state, _, m = tr.update(params, opt_state, {}, batch, np.float32(1e-5), recompute_old=False)
+            time.sleep(1)  # a step frees GB of buffers in the background: let that settle before timing
+            roof = matmul_gflops(reps=20)
+            time.sleep(1)
+            r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            params, opt_state, _, _ = tr.update(params, opt_state, {}, batch, np.float32(1e-5), recompute_old=False)
             jax.block_until_ready(params)
             if rep:  # the first round compiles
-                times[mode].append(time.perf_counter() - t)
+                times[key].append(time.perf_counter() - t)
+                r1 = resource.getrusage(resource.RUSAGE_SELF)
+                faults[key].append((r1.ru_minflt - r0.ru_minflt, r1.ru_stime - r0.ru_stime))
+                roofs.append(roof)
             c[1], c[2] = params, opt_state
+    time.sleep(1)
+    roofs.append(matmul_gflops(reps=20))
+    roof, peak = statistics.median(roofs), max(roofs)
     length, resp = batch["generator"].tokens_nt.shape[1], batch["generator"].resp_mask_nr.shape[1]
     n_tokens = args.batch * length
     lines = ["## Train step (SmolLM2-135M, CPU)", "",
              f"`python bench/train_step.py --batch {args.batch} --length {args.length} --repeats {args.repeats}` "
              f"on {time.strftime('%Y-%m-%d %H:%M')}, {machine()}, jax {jax.__version__}; one `Trainer.update` "
              f"(PPO loss, per-role diagnostics, AdamW) on {args.batch} × {length} tokens ({resp} response "
-             "tokens per row), the contenders alternating, medians; XLA fp32 matmul roof measured in the same "
-             f"run: {roof:.1f} GFLOP/s. Model and executed FLOPs as the script's docstring counts them.", "",
-             "| mode | remat | step s | tokens/s | model GFLOP/s | MFU (% of roof) | executed GFLOP/s |",
-             "|---|---|---|---|---|---|---|"]
+             "tokens per row), the contenders alternating, median step times. XLA fp32 matmul roof sampled "
+             f"before every step: median {roof:.0f}, range {min(roofs):.0f}–{peak:.0f} GFLOP/s. Model and "
+             "executed FLOPs as the script's docstring counts them.", "",
+             "| mode | remat | step s | tokens/s | model GFLOP/s | MFU (median roof) | MFU (peak roof) "
+             "| executed GFLOP/s | page faults | kernel CPU s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for (mode, remat), ts in times.items():
         s = statistics.median(ts)
         model_f, exec_f = step_flops(cfg, args.batch, length, resp, not mode.startswith("LoRA"), remat)
         lines.append(f"| {mode} | {remat} | {s:.2f} | {n_tokens / s:.0f} | {model_f / s / 1e9:.1f} | "
-                     f"{100 * model_f / s / 1e9 / roof:.0f}% | {exec_f / s / 1e9:.1f} |")
+                     f"{100 * model_f / s / 1e9 / roof:.0f}% | {100 * model_f / s / 1e9 / peak:.0f}% | "
+                     f"{exec_f / s / 1e9:.1f} | {statistics.median(f for f, _ in faults[(mode, remat)]) / 1e3:.0f}k | "
+                     f"{statistics.median(k for _, k in faults[(mode, remat)]):.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.write:
