@@ -266,18 +266,29 @@ class Run:
 
 
 def check_run_dir_config(run_dir: pathlib.Path, cfg: Config) -> None:
-    """A resumed run must use the config it started with (except `steps`, which may grow)."""
+    """A resumed run must use the config it started with (except `steps`, which may grow, and `mesh`).
+
+    The saved config is read back through `load_config`, so keys that marljax gained since the run began
+    take their defaults rather than counting as a difference.
+    """
     saved = run_dir / "config.yaml"
     if not saved.exists():
         return
-    old, new = yaml.safe_load(saved.read_text()), to_dict(cfg)
-    for key in ("steps", "mesh"):  # a run may grow, and resume on another mesh
-        old.pop(key, None)
-        new.pop(key, None)
-    diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    old, new = dict(_leaves(to_dict(load_config(str(saved))))), dict(_leaves(to_dict(cfg)))
+    diff = [f"{k} ({old.get(k)!r} → {new.get(k)!r})" for k in sorted(set(old) | set(new))
+            if k.split(".")[0] not in ("steps", "mesh") and old.get(k) != new.get(k)]
     if diff:
         raise ConfigError(f"{run_dir} holds a run with a different config (differs in: {', '.join(diff)}). "
                           "Resume with the same config, or pick a new run_dir.")
+
+
+def _leaves(d: dict, prefix: str = ""):
+    """(dotted key, value) for every leaf of a nested config mapping."""
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            yield from _leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
 
 
 def train(cfg: Config) -> pathlib.Path:

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import yaml
 
 from marljax.config import ConfigError, load_config
 from marljax.train import main as train_main
@@ -108,6 +109,19 @@ def test_resume_with_a_different_config_is_refused(tmp_path):
     run_dir = tmp_path / "r"
     train_main([*TINY, "workflow=single", "policy=shared", "steps=1", f"run_dir={run_dir}", "eval.every=0",
                 "eval.at_start=false"])
-    with pytest.raises(ConfigError, match="different config"):
+    with pytest.raises(ConfigError, match=r"different config \(differs in: rl\.clip_high \(0\.28 → 0\.3\)\)"):
         train_main([*TINY, "workflow=single", "policy=shared", "steps=2", f"run_dir={run_dir}", "eval.every=0",
                     "eval.at_start=false", "rl.clip_high=0.3"])
+
+
+def test_resume_accepts_a_config_saved_before_a_key_existed(tmp_path):
+    """A run saved by an older marljax lacks keys added since; they take their defaults on resume."""
+    run_dir = tmp_path / "r"
+    args = [*TINY, "workflow=single", "policy=shared", f"run_dir={run_dir}", "eval.every=0", "eval.at_start=false",
+            "checkpoint.every=1"]
+    train_main([*args, "steps=1"])
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    del saved["rl"]["remat"]  # as written before rl.remat existed
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    train_main([*args, "steps=2"])
+    assert [r["step"] for r in _records(run_dir) if r["step"] > 0] == [1, 2]  # resumed, not restarted
