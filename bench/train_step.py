@@ -11,10 +11,10 @@ layers' forward for `full`, the attention forward for `dots`.
 
 The machine drifts (±30% within minutes), so the roof is sampled before every timed step and once at
 the end, in the same alternation as the contenders, each sample and each step after a 1 s pause (a step
-frees gigabytes of buffers in the background, which slows whatever runs right after it): MFU is the median step's model FLOP/s over the
-median roof sample, and, more conservatively, over the highest roof sample of the run. Page faults and
-kernel CPU time per step (medians, from getrusage) show what XLA CPU's per-execution temp buffer costs:
-it is mmapped fresh on every call and faulted in page by page.
+frees gigabytes of buffers in the background, which slows whatever runs right after it). MFU is the
+median step's model FLOP/s over the median roof sample and, more conservatively, over the highest one.
+Page faults and kernel CPU time per step (medians, from getrusage) show what XLA CPU's per-execution
+temp buffer costs: it is mmapped fresh on every call and faulted in page by page.
 
     python bench/train_step.py [--batch 8] [--length 256] [--repeats 3] [--write]
 """

@@ -47,6 +47,9 @@ def test_attention_layouts_match_float64(layout):
 
     f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*f32)
+    # float32 against float64 on values of size ≤ 5.2: observed max error 2.7e-7 (value) and 5.4e-7
+    # (gradient), a few float32 ulps; 1e-5 leaves room for other backends' summation orders while a
+    # wrong layout or transpose (errors of order 1) still fails.
     np.testing.assert_allclose(out, out_ref, rtol=0, atol=1e-5)
     for name, g, g_ref in zip("qkv", grads, grads_ref):
         np.testing.assert_allclose(g, g_ref, rtol=0, atol=1e-5, err_msg=f"d{name} ({layout})")
