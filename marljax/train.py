@@ -274,7 +274,12 @@ def check_run_dir_config(run_dir: pathlib.Path, cfg: Config) -> None:
     saved = run_dir / "config.yaml"
     if not saved.exists():
         return
-    old, new = dict(_leaves(to_dict(load_config(str(saved))))), dict(_leaves(to_dict(cfg)))
+    try:
+        old_cfg = load_config(str(saved))
+    except ConfigError as e:
+        raise ConfigError(f"{saved} (the config this run started with) no longer loads: {e} Resume with the "
+                          "marljax version that wrote it, or pick a new run_dir.") from e
+    old, new = dict(_leaves(to_dict(old_cfg))), dict(_leaves(to_dict(cfg)))
     diff = [f"{k} ({old.get(k)!r} → {new.get(k)!r})" for k in sorted(set(old) | set(new))
             if k.split(".")[0] not in ("steps", "mesh") and old.get(k) != new.get(k)]
     if diff:

@@ -125,3 +125,8 @@ def test_resume_accepts_a_config_saved_before_a_key_existed(tmp_path):
     (run_dir / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     train_main([*args, "steps=2"])
     assert [r["step"] for r in _records(run_dir) if r["step"] > 0] == [1, 2]  # resumed, not restarted
+    saved["rl"]["gone_key"] = 1  # a key this marljax does not know: the saved config is named, not resumed
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    with pytest.raises(ConfigError, match=r"config\.yaml \(the config this run started with\) no longer loads: "
+                                          r"Unknown config key 'rl\.gone_key'"):
+        train_main([*args, "steps=3"])
