@@ -1,7 +1,11 @@
-"""docs/*.md I/O shared by the benchmark scripts: the machine line and section replacement."""
+"""docs/*.md I/O shared by the benchmark scripts: the machine line and section replacement. Import it before
+jax: it imports marljax, whose import keeps freed host memory (marljax/host_memory.py)."""
 import os
 import pathlib
 import platform
+
+import marljax  # before jax: keeps freed host memory (marljax/host_memory.py)
+from marljax import host_memory
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
@@ -9,7 +13,7 @@ DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 def machine() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
-    return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, Python {platform.python_version()}"
+    return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, Python {platform.python_version()}, host malloc {host_memory.state}"
 
 
 def write_section(title: str, text: str, path: pathlib.Path = DOC, heading: str = "# Benchmarks") -> None:

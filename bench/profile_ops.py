@@ -35,6 +35,7 @@ def main():
     module = "_sample" if args.what == "sampler" else "_update"
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={work}/hlo "
                                f"--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*{module}.*")
+    import marljax  # noqa: F401  (before jax: keeps freed host memory, marljax/host_memory.py)
     import jax
     import numpy as np
 
@@ -47,24 +48,9 @@ def main():
         layers, sp = layer_weights(model), SamplingParams(max_new_tokens=args.new, temperature=0.0)
         run = lambda: generate(model, prompts, sp, layers=layers)  # noqa: E731
     else:
-        from marljax.rl.lora import LoRAConfig, init_lora
-        from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack
-        half = args.length // 2
-        batch = {"generator": pack([Sample("generator", rng.integers(10, 40000, half).tolist(),
-                                           rng.integers(10, 40000, half - 1).tolist(), float(rng.normal()))
-                                    for _ in range(args.batch or 8)])}
-        opt, lc = make_optimizer(), LoRAConfig(rank=16, alpha=32)
-        lora = args.mode == "lora"
-        tr = Trainer(model, StepConfig(route=(("generator", "g"),), lora_scale=lc.scale if lora else None,
-                                       minibatch="balanced", remat=args.remat), opt)
-        state = {"p": {"g": init_lora(model.config, lc, jax.random.key(0)) if lora
-                       else jax.tree.map(jax.numpy.array, tr.base_state)}}
-        state["o"] = {"g": opt.init(state["p"]["g"])}
-
-        def run():
-            state["p"], state["o"], _, _ = tr.update(state["p"], state["o"], {}, batch, np.float32(1e-5),
-                                                     recompute_old=False)
-            return jax.block_until_ready(state["p"])
+        from train_step import Contender, random_batch
+        c = Contender(model, random_batch(args.batch or 8, args.length), args.mode == "lora", args.remat)
+        run = c.step
     run()
     t = time.perf_counter()
     run()

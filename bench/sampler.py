@@ -16,11 +16,11 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from benchdoc import machine, write_section  # first (before jax); bench/ is on sys.path when a script here runs
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchdoc import machine, write_section  # bench/ is on sys.path when a script here runs
 from marljax.models import load_model
 from roofline import matmul_gflops
 from marljax.models.loading import smollm2_gguf_path

@@ -14,7 +14,8 @@ the end, in the same alternation as the contenders, each sample and each step af
 frees gigabytes of buffers in the background, which slows whatever runs right after it). MFU is the
 median step's model FLOP/s over the median roof sample and, more conservatively, over the highest one.
 Page faults and kernel CPU time per step (medians, from getrusage) show what XLA CPU's per-execution
-temp buffer costs: it is mmapped fresh on every call and faulted in page by page.
+temp buffer costs when malloc returns it to the system after each call (`MARLJAX_HOST_MALLOC=system`):
+it is then mmapped afresh and faulted in page by page; bench/host_malloc.py measures that side by side.
 
     python bench/train_step.py [--batch 8] [--length 256] [--repeats 3] [--write]
 """
@@ -25,10 +26,10 @@ import resource
 import statistics
 import time
 
+from benchdoc import machine, write_section  # first (before jax); bench/ is on sys.path when a script here runs
 import jax
 import numpy as np
 
-from benchdoc import machine, write_section  # bench/ is on sys.path when a script here runs
 from marljax.models import load_model
 from roofline import matmul_gflops
 from marljax.rl.lora import LoRAConfig, init_lora
@@ -50,6 +51,37 @@ def step_flops(cfg, rows: int, length: int, resp: int, full: bool, remat: str) -
     return model, model + recompute
 
 
+def random_batch(rows: int, length: int) -> dict:
+    """One role's batch of `rows` random sequences, half prompt and half response tokens."""
+    rng = np.random.default_rng(0)
+    half = length // 2
+    return {"generator": pack([Sample("generator", rng.integers(10, 40000, half).tolist(),
+                                      rng.integers(10, 40000, half - 1).tolist(), float(rng.normal()))
+                               for _ in range(rows)])}
+
+
+class Contender:
+    """A trainer (LoRA rank 16 or full fine-tuning, one parameter set) with its state, stepped in place."""
+
+    def __init__(self, model, batch: dict, lora: bool, remat: str):
+        lc, opt = LoRAConfig(rank=16, alpha=32), make_optimizer()
+        self.batch = batch
+        self.trainer = Trainer(model, StepConfig(route=(("generator", "g"),), lora_scale=lc.scale if lora else None,
+                                                 minibatch="balanced", remat=remat), opt)
+        self.params = {"g": init_lora(model.config, lc, jax.random.key(0)) if lora
+                       else jax.tree.map(jax.numpy.array, self.trainer.base_state)}
+        self.opt_state = {"g": opt.init(self.params["g"])}
+
+    def step(self) -> tuple[float, int, float]:
+        """One `Trainer.update`: (seconds, minor page faults, kernel CPU seconds)."""
+        r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        self.params, self.opt_state, _, _ = self.trainer.update(self.params, self.opt_state, {}, self.batch,
+                                                                np.float32(1e-5), recompute_old=False)
+        jax.block_until_ready(self.params)
+        seconds, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+        return seconds, r1.ru_minflt - r0.ru_minflt, r1.ru_stime - r0.ru_stime
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
@@ -59,41 +91,22 @@ def main():
     args = ap.parse_args()
     model = load_model("smollm2-135m-instruct")
     cfg = model.config
-    rng = np.random.default_rng(0)
-    half = args.length // 2
-    samples = [Sample("generator", rng.integers(10, 40000, half).tolist(), rng.integers(10, 40000, half - 1).tolist(),
-                      float(rng.normal())) for _ in range(args.batch)]
-    batch = {"generator": pack(samples)}
-    opt = make_optimizer()
-    lc = LoRAConfig(rank=16, alpha=32)
-    contenders = {}
-    for mode in ("LoRA r16", "full fine-tuning"):
-        for remat in ("full", "dots"):
-            lora = mode.startswith("LoRA")
-            step_cfg = StepConfig(route=(("generator", "g"),), lora_scale=lc.scale if lora else None,
-                                  minibatch="balanced", remat=remat)
-            tr = Trainer(model, step_cfg, opt)
-            params = {"g": init_lora(cfg, lc, jax.random.key(0)) if lora
-                      else jax.tree.map(jax.numpy.array, tr.base_state)}
-            contenders[(mode, remat)] = [tr, params, {"g": opt.init(params["g"])}]
+    batch = random_batch(args.batch, args.length)
+    contenders = {(mode, remat): Contender(model, batch, mode.startswith("LoRA"), remat)
+                  for mode in ("LoRA r16", "full fine-tuning") for remat in ("full", "dots")}
     times = {m: [] for m in contenders}
     faults = {m: [] for m in contenders}  # (minor page faults, kernel CPU s) per step
     roofs = []
     for rep in range(args.repeats + 1):
         for key, c in contenders.items():
-            tr, params, opt_state = c
             time.sleep(1)  # a step frees GB of buffers in the background: let that settle before timing
             roof = matmul_gflops(reps=20)
             time.sleep(1)
-            r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-            params, opt_state, _, _ = tr.update(params, opt_state, {}, batch, np.float32(1e-5), recompute_old=False)
-            jax.block_until_ready(params)
+            seconds, minflt, stime = c.step()
             if rep:  # the first round compiles
-                times[key].append(time.perf_counter() - t)
-                r1 = resource.getrusage(resource.RUSAGE_SELF)
-                faults[key].append((r1.ru_minflt - r0.ru_minflt, r1.ru_stime - r0.ru_stime))
+                times[key].append(seconds)
+                faults[key].append((minflt, stime))
                 roofs.append(roof)
-            c[1], c[2] = params, opt_state
     time.sleep(1)
     roofs.append(matmul_gflops(reps=20))
     roof, peak = statistics.median(roofs), max(roofs)

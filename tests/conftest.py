@@ -17,6 +17,8 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettemp
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import marljax  # noqa: E402,F401  (before any test imports jax: the malloc users get, marljax/host_memory.py)
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf():

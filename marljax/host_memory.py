@@ -1,0 +1,43 @@
+"""Keep freed host memory for reuse, so XLA CPU's per-step temp buffer is not faulted in afresh each step.
+
+XLA CPU allocates each execution's temp buffer (0.6 GB for a SmolLM2-135M LoRA train step on 8 × 256
+tokens with remat `full`, 2.75 GB with `dots`) from the thread that runs it. glibc serves a request that
+large from a fresh `mmap` (a thread's own arena cannot hold it, whatever `M_MMAP_MAX` says) and unmaps it
+on free, so every step faults the whole buffer in again, page by page: 705k minor faults and 1.4–7 s of
+kernel time per `dots` step (docs/benchmarks.md). One arena, no `mmap` and no trimming make the heap keep
+the buffer after the first step: no faults. The price is that the process keeps its peak heap (its
+resident memory does not shrink after a peak), as a GPU caching allocator does.
+
+`retain()` must run before jax is imported (jaxlib's threads pick their arena at their first `malloc`),
+so importing marljax calls it. `MARLJAX_HOST_MALLOC=system` leaves malloc as it is. Accelerator memory is
+not affected; on a non-glibc platform nothing is done.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+
+# What retain() did: "retained", or why it did nothing.
+state = "not run"
+
+
+def retain() -> str:
+    """One malloc arena, no mmap, never trim (glibc only); returns and records what was done."""
+    global state
+    if os.environ.get("MARLJAX_HOST_MALLOC", "retain") == "system":
+        state = "off (MARLJAX_HOST_MALLOC=system)"
+    elif platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        state = f"off (not glibc: {platform.system()} {platform.libc_ver()[0] or 'unknown libc'})"
+    elif "jax" in sys.modules or "jaxlib" in sys.modules:
+        state = "off (jax was imported before marljax; import marljax first to keep host memory)"
+    else:
+        libc = ctypes.CDLL("libc.so.6")
+        # mallopt's -1 trim threshold disables trimming (mallopt(3)); each call returns 1 on success.
+        ok = (libc.mallopt(_M_ARENA_MAX, 1), libc.mallopt(_M_MMAP_MAX, 0), libc.mallopt(_M_TRIM_THRESHOLD, -1))
+        state = "retained" if all(ok) else f"off (mallopt refused: {ok})"
+    return state
