@@ -10,10 +10,12 @@ from marljax import host_memory
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
 
-def machine() -> str:
+def machine(malloc: bool = True) -> str:
+    """CPU, cores, kernel, Python and (with `malloc`) what marljax did to this process's malloc."""
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
-    return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, Python {platform.python_version()}, host malloc {host_memory.state}"
+    line = f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, Python {platform.python_version()}"
+    return line + (f", host malloc {host_memory.state}" if malloc else "")
 
 
 def write_section(title: str, text: str, path: pathlib.Path = DOC, heading: str = "# Benchmarks") -> None:

@@ -66,14 +66,14 @@ def main():
     med = {k: {f: statistics.median(r[f] for r in rs) for f in ("s", "minflt", "stime")} for k, rs in runs.items()}
     lines = ["## Host malloc (SmolLM2-135M LoRA train step, CPU)", "",
              f"`python bench/host_malloc.py --batch {args.batch} --length {args.length} --repeats {args.repeats}` "
-             f"on {time.strftime('%Y-%m-%d %H:%M')}, {machine()}; LoRA rank 16, one `Trainer.update` on "
+             f"on {time.strftime('%Y-%m-%d %H:%M')}, {machine(malloc=False)}; LoRA rank 16, one `Trainer.update` on "
              f"{args.batch} × {args.length} tokens, one worker process per row, stepped in turn; medians.", "",
              "| remat | host malloc | step s | page faults | kernel CPU s | steps s |", "|---|---|---|---|---|---|"]
     for (malloc, remat), m in sorted(med.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         lines.append(f"| {remat} | {malloc} | {m['s']:.2f} | {m['minflt'] / 1e3:.0f}k | {m['stime']:.2f} | "
                      + ", ".join(f"{r['s']:.1f}" for r in runs[(malloc, remat)]) + " |")
-    lines += [""] + [f"`{remat}`: retain / system step time **{med[('retain', remat)]['s'] / med[('system', remat)]['s']:.2f}**."
-                     for remat in REMATS]
+    ratio = {remat: med[("retain", remat)]["s"] / med[("system", remat)]["s"] for remat in REMATS}
+    lines += [""] + [f"`{remat}`: retain / system step time **{r:.2f}**." for remat, r in ratio.items()]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.write:

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-# A jitted program whose temp buffer holds a 64 MB intermediate ([4096, 4096] float32); prints the state and the minor page
-# faults of its fourth call.
+# A jitted program whose temp buffer holds a 64 MB intermediate ([4096, 4096] float32); prints the state
+# and the minor page faults of its fourth call.
 _PROBE = """
 import resource
 import marljax, jax, jax.numpy as jnp
