@@ -2,6 +2,8 @@
 import concurrent.futures
 import json
 import pathlib
+import subprocess
+import sys
 import time
 
 import pytest
@@ -101,6 +103,16 @@ def test_grading_from_threads_matches_the_main_thread():
         hang = pool.submit(grade, r"\boxed{(10^{1000000})!}", "5")
         assert hang.result(timeout=60) == 0.0 and time.monotonic() - start < 3 * 5 + 5
     assert threaded == [float(want) for _, _, want in TRICKY]
+
+
+def test_the_grading_pool_is_terminated_at_exit():
+    """Exit handlers terminate the pool, so it is not left running for Pool.__del__ during interpreter
+    shutdown (which prints 'Exception ignored ... Pool.__del__' once module globals are gone)."""
+    code = ("import atexit, threading\nfrom marljax.tasks import math\n"
+            "t = threading.Thread(target=math.grade, args=(r'\\boxed{\\frac{1}{2}}', '0.5'))\nt.start()\nt.join()\n"
+            "atexit._run_exitfuncs()\nprint(math._pool._state)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["TERMINATE"], (out.stdout, out.stderr[-2000:])
 
 
 def _gsm8k_golds() -> list[str]:

@@ -8,6 +8,7 @@ the trainer and never raises for a malformed response.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
@@ -69,6 +70,7 @@ def _worker_pool() -> multiprocessing.pool.Pool:
     with _pool_lock:
         if _pool is None:
             _pool = multiprocessing.get_context("spawn").Pool(min(4, os.cpu_count() or 1))
+            atexit.register(_pool.terminate)  # not left to Pool.__del__ at interpreter shutdown
             _pool.apply(_verify, ("1", "1", TIMEOUT_S))  # import sympy in the workers now, not in a grade
         return _pool
 
