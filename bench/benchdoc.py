@@ -18,6 +18,13 @@ def machine(malloc: bool = True) -> str:
     return line + (f", host malloc {host_memory.state}" if malloc else "")
 
 
+def publish(section: str, write: bool) -> None:
+    """Print a section (its first line is the `## ` title) and, with `write`, put it into docs/benchmarks.md."""
+    print(section)
+    if write:
+        write_section(section.split("\n", 1)[0], section)
+
+
 def write_section(title: str, text: str, path: pathlib.Path = DOC, heading: str = "# Benchmarks") -> None:
     """Replace (or append) the section headed `title` of `path` (docs/benchmarks.md), leaving the others alone."""
     doc = path.read_text() if path.exists() else heading + "\n"

@@ -32,7 +32,7 @@ from marljax.models.presets import PRESETS
 from marljax.rl.lora import LoRAConfig, init_lora
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack
 from marljax.sampling import SamplingParams, bucket, generate
-from benchdoc import write_section  # bench/ is on sys.path when a script here runs
+from benchdoc import publish  # bench/ is on sys.path when a script here runs
 
 TITLE = "## GPU (Qwen3-0.6B shape, bf16)"
 # device name fragment -> (dense bf16 TFLOP/s, HBM GB/s)
@@ -164,9 +164,7 @@ def main() -> None:
         f"Train step (`Trainer.update`, {plan.train_rows} rows of {plan.train_prompt} + "
         f"{plan.train_response} tokens, padded):\n\n"
         f"| mode | tokens | step | model TFLOP/s | MFU |\n|---|---|---|---|---|\n{train_rows}\n")
-    print(section)
-    if not args.no_write:
-        write_section(TITLE, section)
+    publish(section, not args.no_write)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def main():
     args = ap.parse_args()
     if args.worker:
         return worker(args.worker, args.batch, args.length)
-    from benchdoc import machine, write_section
+    from benchdoc import machine, publish
     procs = {}
     for malloc in MALLOCS:
         for remat in REMATS:
@@ -74,10 +74,7 @@ def main():
                      + ", ".join(f"{r['s']:.1f}" for r in runs[(malloc, remat)]) + " |")
     ratio = {remat: med[("retain", remat)]["s"] / med[("system", remat)]["s"] for remat in REMATS}
     lines += [""] + [f"`{remat}`: retain / system step time **{r:.2f}**." for remat, r in ratio.items()]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.write:
-        write_section(lines[0], text)
+    publish("\n".join(lines) + "\n", args.write)
 
 
 if __name__ == "__main__":

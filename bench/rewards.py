@@ -15,7 +15,7 @@ import time
 from marljax.tasks import sandbox
 from marljax.tasks.code import grade_code
 from marljax.tasks.math import grade
-from benchdoc import machine, write_section  # bench/ is on sys.path when a script here runs
+from benchdoc import machine, publish  # bench/ is on sys.path when a script here runs
 
 PROGRAM = "a, b = map(int, input().split())\nprint(a + b)"
 
@@ -77,9 +77,7 @@ def main():
                f"load average {os.getloadavg()[0]:.1f} at the end (other jobs share the machine)."
                f" A program is a 2-line stdin/stdout Python program; each run starts a fresh interpreter.\n\n"
                f"| what | throughput |\n|---|---|\n{table}\n")
-    print(section)
-    if not args.no_write:
-        write_section("## Rewards", section)
+    publish(section, not args.no_write)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from marljax.models.decoder import Decoder, ModelConfig  # noqa: E402
 from marljax.rl.lora import LoRAConfig, init_lora  # noqa: E402
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack  # noqa: E402
 from marljax.sampling import SamplingParams, generate  # noqa: E402
-from benchdoc import machine, write_section  # noqa: E402 — bench/ is on sys.path when a script here runs
+from benchdoc import machine, publish  # noqa: E402 — bench/ is on sys.path when a script here runs
 
 TITLE = "## Sharding (CPU, simulated devices)"
 CFG = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,
@@ -133,9 +133,7 @@ def main() -> None:
         f"the same SPMD program a TPU or GPU mesh runs, with equal results (tests/test_sharding.py).\n\n"
         f"| run | train step | speed | sampler decode | speed | compile (train / sampler) |\n"
         f"|---|---|---|---|---|---|\n{rows}\n")
-    print(section)
-    if not args.no_write:
-        write_section(TITLE, section)
+    publish(section, not args.no_write)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import resource
 import statistics
 import time
 
-from benchdoc import machine, write_section  # first (before jax); bench/ is on sys.path when a script here runs
+from benchdoc import machine, publish  # first (before jax); bench/ is on sys.path when a script here runs
 import jax
 import numpy as np
 
@@ -129,10 +129,7 @@ def main():
                      f"{100 * model_f / s / 1e9 / roof:.0f}% | {100 * model_f / s / 1e9 / peak:.0f}% | "
                      f"{exec_f / s / 1e9:.1f} | {statistics.median(f for f, _ in faults[(mode, remat)]) / 1e3:.0f}k | "
                      f"{statistics.median(k for _, k in faults[(mode, remat)]):.2f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.write:
-        write_section(lines[0], text)
+    publish("\n".join(lines) + "\n", args.write)
 
 
 if __name__ == "__main__":
