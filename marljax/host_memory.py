@@ -10,7 +10,10 @@ resident memory does not shrink after a peak), as a GPU caching allocator does. 
 buffer in the background after its outputs are ready, so calls made back to back can each allocate a new
 one before the last is freed: 20 back-to-back LoRA `dots` steps grew the heap to three copies (10.1 GB
 resident instead of 4.3) within 3 steps, then no further; with a 1.5 s pause between steps (a train
-loop's rollouts give more) it held one copy.
+loop's rollouts give more) it held one copy. The heap is a high-water mark: 300 back-to-back calls of a
+program with a 64 MB temp buffer grew it to 5–6 copies, the last growth at call 269. Where resident
+memory matters more than step time (`rl.remat=dots` with many back-to-back `paper` mini-batches on a
+small machine), set `MARLJAX_HOST_MALLOC=system`.
 
 `retain()` must run before jax is imported (jaxlib's threads pick their arena at their first `malloc`),
 so importing marljax calls it. `MARLJAX_HOST_MALLOC=system` leaves malloc as it is. Accelerator memory is
