@@ -3,7 +3,7 @@
 XLA CPU allocates each execution's temp buffer (0.6 GB for a SmolLM2-135M LoRA train step on 8 × 256
 tokens with remat `full`, 2.75 GB with `dots`) from the thread that runs it. glibc serves a request that
 large from a fresh `mmap` (a thread's own arena cannot hold it, whatever `M_MMAP_MAX` says) and unmaps it
-on free, so every step faults the whole buffer in again, page by page: 705k minor faults and 1.4–7 s of
+on free, so every step faults the whole buffer in again, page by page: 705k minor faults and 1.7–9.4 s of
 kernel time per `dots` step (docs/benchmarks.md). One arena, no `mmap` and no trimming make the heap keep
 the buffer after the first step: no faults. The price is that the process keeps its peak heap (its
 resident memory does not shrink after a peak), as a GPU caching allocator does. XLA frees a call's temp
@@ -16,12 +16,15 @@ memory matters more than step time (`rl.remat=dots` with many back-to-back `pape
 small machine), set `MARLJAX_HOST_MALLOC=system`.
 
 `retain()` must run before jax is imported (jaxlib's threads pick their arena at their first `malloc`),
-so importing marljax calls it. `MARLJAX_HOST_MALLOC=system` leaves malloc as it is. Accelerator memory is
-not affected; on a non-glibc platform nothing is done.
+so importing marljax calls it. `MARLJAX_HOST_MALLOC`: `auto` (default) keeps memory unless a TPU or GPU
+plugin for jax is installed (and `JAX_PLATFORMS` is not `cpu`): there the temp buffers live on the device,
+and one malloc arena for a large host's many threads would only add contention; `retain` always keeps it;
+`system` leaves malloc as it is. On a non-glibc platform nothing is done.
 """
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import platform
 import sys
@@ -33,11 +36,30 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 state = "not run"
 
 
+MODES = ("auto", "retain", "system")
+# Modules whose presence means jax will run on a TPU or GPU.
+_ACCELERATOR_PLUGINS = ("libtpu", "jax_plugins", "jax_cuda12_plugin", "jax_cuda13_plugin")  # jax_plugins: PJRT plugins
+
+
+def _accelerator_plugin() -> str | None:
+    """The installed accelerator plugin jax would pick, or None (none, or JAX_PLATFORMS asks for cpu)."""
+    if os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip() == "cpu":
+        return None
+    return next((m for m in _ACCELERATOR_PLUGINS if importlib.util.find_spec(m) is not None), None)
+
+
 def retain() -> str:
-    """One malloc arena, no mmap, never trim (glibc only); returns and records what was done."""
+    """One malloc arena, no mmap, never trim (glibc only, per MARLJAX_HOST_MALLOC); returns and records
+    what was done."""
     global state
-    if os.environ.get("MARLJAX_HOST_MALLOC", "retain") == "system":
+    mode = os.environ.get("MARLJAX_HOST_MALLOC", "auto")
+    if mode not in MODES:
+        raise ValueError(f"MARLJAX_HOST_MALLOC={mode!r}; choose from {', '.join(MODES)} (marljax/host_memory.py)")
+    plugin = _accelerator_plugin() if mode == "auto" else None
+    if mode == "system":
         state = "off (MARLJAX_HOST_MALLOC=system)"
+    elif plugin:
+        state = f"off (accelerator plugin {plugin} installed; MARLJAX_HOST_MALLOC=retain keeps host memory anyway)"
     elif platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         state = f"off (not glibc: {platform.system()} {platform.libc_ver()[0] or 'unknown libc'})"
     elif "jax" in sys.modules or "jaxlib" in sys.modules:

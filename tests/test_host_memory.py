@@ -53,3 +53,23 @@ def test_retention_is_skipped_with_a_reason_when_jax_came_first():
                          env={**os.environ, "MARLJAX_HOST_MALLOC": "retain"}, capture_output=True, text=True,
                          check=True)
     assert "jax was imported before marljax" in out.stdout
+
+
+def _state(tmp_path, **env) -> subprocess.CompletedProcess:
+    """marljax's host-memory state in a fresh process with a fake `libtpu` package on its path; `env` values
+    override the environment, None unsets."""
+    (tmp_path / "libtpu").mkdir(exist_ok=True)
+    (tmp_path / "libtpu" / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", **env}
+    return subprocess.run([sys.executable, "-c", "import marljax; print(marljax.host_memory.state)"],
+                          env={k: v for k, v in env.items() if v is not None}, capture_output=True, text=True)
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                    reason="host memory retention is glibc-only (mallopt); this platform leaves malloc alone")
+def test_auto_leaves_malloc_alone_where_an_accelerator_plugin_is_installed(tmp_path):
+    assert "accelerator plugin libtpu" in _state(tmp_path, MARLJAX_HOST_MALLOC="auto", JAX_PLATFORMS=None).stdout
+    assert _state(tmp_path, MARLJAX_HOST_MALLOC="auto", JAX_PLATFORMS="cpu").stdout.strip() == "retained"
+    assert _state(tmp_path, MARLJAX_HOST_MALLOC="retain", JAX_PLATFORMS=None).stdout.strip() == "retained"
+    bad = _state(tmp_path, MARLJAX_HOST_MALLOC="keep")
+    assert bad.returncode != 0 and "MARLJAX_HOST_MALLOC='keep'; choose from auto, retain, system" in bad.stderr
