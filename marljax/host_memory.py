@@ -1,25 +1,18 @@
 """Keep freed host memory for reuse, so XLA CPU's per-step temp buffer is not faulted in afresh each step.
 
-XLA CPU allocates each execution's temp buffer (0.6 GB for a SmolLM2-135M LoRA train step on 8 × 256
-tokens with remat `full`, 2.75 GB with `dots`) from the thread that runs it. glibc serves a request that
-large from a fresh `mmap` (a thread's own arena cannot hold it, whatever `M_MMAP_MAX` says) and unmaps it
-on free, so every step faults the whole buffer in again, page by page: 705k minor faults and 1.7–9.4 s of
-kernel time per `dots` step (docs/benchmarks.md). One arena, no `mmap` and no trimming make the heap keep
-the buffer after the first step: no faults. The price is that the process keeps its peak heap (its
-resident memory does not shrink after a peak), as a GPU caching allocator does. XLA frees a call's temp
-buffer in the background after its outputs are ready, so calls made back to back can each allocate a new
-one before the last is freed: 20 back-to-back LoRA `dots` steps grew the heap to three copies (10.1 GB
-resident instead of 4.3) within 3 steps, then no further; with a 1.5 s pause between steps (a train
-loop's rollouts give more) it held one copy. The heap is a high-water mark: 300 back-to-back calls of a
-program with a 64 MB temp buffer grew it to 5–6 copies, the last growth at call 269. Where resident
-memory matters more than step time (`rl.remat=dots` with many back-to-back `paper` mini-batches on a
-small machine), set `MARLJAX_HOST_MALLOC=system`.
+XLA CPU allocates each execution's temp buffer (2.75 GB for a SmolLM2-135M LoRA step on 8 × 256 tokens
+with remat `dots`) on the thread that runs it. glibc serves a request that large from a fresh `mmap` (a
+thread's own arena cannot hold it, whatever `M_MMAP_MAX` says) and unmaps it on free, so every step faults
+the buffer in again: 705k minor faults and seconds of kernel time per step. One arena, no `mmap` and no
+trimming make the heap keep it: no faults. The price: the process keeps its peak heap, and since XLA frees
+a temp buffer in the background, back-to-back calls can leave several copies in it (three for
+back-to-back `dots` steps; one when rollouts separate the steps). Measurements: docs/benchmarks.md.
 
 `retain()` must run before jax is imported (jaxlib's threads pick their arena at their first `malloc`),
 so importing marljax calls it. `MARLJAX_HOST_MALLOC`: `auto` (default) keeps memory unless a TPU or GPU
-plugin for jax is installed (and `JAX_PLATFORMS` is not `cpu`): there the temp buffers live on the device,
-and one malloc arena for a large host's many threads would only add contention; `retain` always keeps it;
-`system` leaves malloc as it is. On a non-glibc platform nothing is done.
+plugin for jax is installed (and `JAX_PLATFORMS` is not `cpu`), where temp buffers live on the device and
+one arena for a large host's many threads would only add contention; `retain` always keeps it; `system`
+leaves malloc alone (use it where resident memory matters more than step time). Non-glibc: nothing done.
 """
 from __future__ import annotations
 
@@ -31,14 +24,12 @@ import sys
 
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+MODES = ("auto", "retain", "system")
+# Modules whose presence means jax will run on a TPU or GPU (jax_plugins: the PJRT plugin namespace).
+_ACCELERATOR_PLUGINS = ("libtpu", "jax_plugins", "jax_cuda12_plugin", "jax_cuda13_plugin")
 
 # What retain() did: "retained", or why it did nothing.
 state = "not run"
-
-
-MODES = ("auto", "retain", "system")
-# Modules whose presence means jax will run on a TPU or GPU.
-_ACCELERATOR_PLUGINS = ("libtpu", "jax_plugins", "jax_cuda12_plugin", "jax_cuda13_plugin")  # jax_plugins: PJRT plugins
 
 
 def _accelerator_plugin() -> str | None:
@@ -55,10 +46,9 @@ def retain() -> str:
     mode = os.environ.get("MARLJAX_HOST_MALLOC", "auto")
     if mode not in MODES:
         raise ValueError(f"MARLJAX_HOST_MALLOC={mode!r}; choose from {', '.join(MODES)} (marljax/host_memory.py)")
-    plugin = _accelerator_plugin() if mode == "auto" else None
     if mode == "system":
         state = "off (MARLJAX_HOST_MALLOC=system)"
-    elif plugin:
+    elif mode == "auto" and (plugin := _accelerator_plugin()):
         state = f"off (accelerator plugin {plugin} installed; MARLJAX_HOST_MALLOC=retain keeps host memory anyway)"
     elif platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         state = f"off (not glibc: {platform.system()} {platform.libc_ver()[0] or 'unknown libc'})"
