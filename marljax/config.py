@@ -1,11 +1,17 @@
 """Dataclass configs for `train` and `evaluate`: YAML files plus dotted `key=value` overrides.
 
+The dataclass defaults are the paper's settings (SPEC §1). A few of the paper's values depend on the
+task and the workflow (response and prompt lengths, Eval-Opt's iterations); their keys default to `None`,
+which `resolve` fills from the one table in `marljax.workflows.limits`. The CPU demo is a file,
+`configs/default.yaml`; `cli_config` is the command line's rule for which base a run starts from.
+
 Unknown keys fail with close-match suggestions; values are parsed as YAML scalars and checked against
 the field's type. A section with a `name` field also takes a bare value (`task=arith` sets
 `task.name`), so both `task=gsm8k` and `task.path=data/gsm8k` work.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import pathlib
@@ -14,14 +20,20 @@ from typing import Any
 
 import yaml
 
+from marljax.tasks.data import task_kind
+from marljax.workflows.limits import paper_limits
+
+DEMO_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+PAPER_BASE = "paper defaults"
+
 
 @dataclasses.dataclass
 class TaskSection:
-    name: str = "arith"
+    name: str = "dapo_math"
     path: str | None = None  # file-backed tasks: a local file or dir (see marljax.tasks.data)
-    split_seed: int = 42  # the train/held-out split (the paper: 90/10, seed 42)
+    split_seed: int = 42  # the train/held-out split (the paper's seed; see tasks.data.HOLDOUT)
     train_size: int | None = None  # cap on training problems (None = all)
-    eval_n: int = 100  # held-out problems per evaluation
+    eval_n: int | None = None  # held-out problems per evaluation (None = all, the paper's)
     options: dict = dataclasses.field(default_factory=dict)  # task-specific knobs (e.g. arith digits)
 
 
@@ -29,14 +41,15 @@ class TaskSection:
 class WorkflowSection:
     name: str = "voting"  # single | eval_opt | voting | orch_workers
     n_votes: int = 3
-    max_iterations: int | None = None  # None: 3 for math, 2 for code (the paper)
+    max_iterations: int | None = None  # Eval-Opt; None: the paper's (3 math, 2 code)
     max_subtasks: int = 3
     worked_example: bool = False  # solve prompt shows one worked example (small models; not the paper's)
 
 
 @dataclasses.dataclass
 class SamplingSection:
-    max_new_tokens: int = 256
+    max_new_tokens: int | None = None  # per role call; None: the paper's (5120 math, 2048 code)
+    max_prompt_tokens: int | None = None  # a longer prompt ends the episode; None: the paper's; 0: no cap
     temperature: float = 0.7
     top_p: float = 1.0
     top_k: int = 0
@@ -121,7 +134,7 @@ class MeshConfig:
 
 @dataclasses.dataclass
 class Config:
-    model: str = "smollm2-135m-instruct"
+    model: str = "qwen3-0.6b"
     dtype: str = "float32"
     policy: Any = "shared"  # shared | isolated | {role: set_name}
     steps: int = 300
@@ -251,14 +264,12 @@ def read_yaml(path: str | pathlib.Path, _seen: tuple = ()) -> dict:
     return _merged(read_yaml(p.parent / base, (*_seen, p.resolve())), data) if base else data
 
 
-def load_config(config_file: str | None = None, overrides: list[str] = (),
-                default_file: str | None = None) -> Config:
-    """Defaults ← YAML file (or `default_file` when none is given; see `read_yaml`) ← `key=value`
-    overrides."""
+def load_config(config_file: str | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults (the paper's settings) ← YAML file (see `read_yaml`) ← `key=value` overrides. Keys left
+    at `None` stay so; `resolve` fills them."""
     cfg = Config()
-    path = config_file or default_file
-    if path is not None:
-        for k, v in read_yaml(path).items():
+    if config_file is not None:
+        for k, v in read_yaml(config_file).items():
             _set(cfg, [k], v, k)
     for item in overrides:
         if "=" not in item:
@@ -266,6 +277,67 @@ def load_config(config_file: str | None = None, overrides: list[str] = (),
         k, v = item.split("=", 1)
         _set(cfg, k.strip().split("."), parse_value(v), k.strip())
     return cfg
+
+
+def cli_config(config_file: str | None, overrides: list[str]) -> tuple[Config, str]:
+    """The command line's config and the name of its base: `--config FILE` when given; else, with no
+    `key=value` either, the CPU demo `configs/default.yaml` (what a bare `python -m marljax.train` runs);
+    else the paper's settings (the dataclass defaults), which the overrides then change."""
+    if config_file is None and not overrides:
+        config_file = str(DEMO_CONFIG)
+    return load_config(config_file, overrides), config_file or PAPER_BASE
+
+
+def resolve(cfg: Config) -> Config:
+    """A copy of `cfg` whose `None`s that mean "the paper's value for this task and workflow" are filled
+    from `workflows.limits`: sampling.max_new_tokens, sampling.max_prompt_tokens, workflow.max_iterations."""
+    try:
+        limits = paper_limits(task_kind(cfg.task.name), cfg.workflow.name)
+    except ValueError as e:
+        raise ConfigError(f"{e} Set workflow= to one of single, eval_opt, voting, orch_workers.") from None
+    out = copy.deepcopy(cfg)
+    for section, key, value in (("sampling", "max_new_tokens", limits.response),
+                                ("sampling", "max_prompt_tokens", limits.prompt),
+                                ("workflow", "max_iterations", limits.iterations)):
+        if getattr(getattr(out, section), key) is None:
+            setattr(getattr(out, section), key, value)
+    return out
+
+
+def leaves(d: dict, prefix: str = ""):
+    """(dotted key, value) for every leaf of a nested config mapping."""
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            yield from leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def departures(cfg: Config) -> list[tuple[str, Any]]:
+    """(dotted key, value) of every resolved setting of `cfg` that is not the paper's: compared with the
+    dataclass defaults resolved for the same task and workflow, so a code run's 2048-token responses are
+    the paper's, and a 5120 there is not. The task and workflow themselves count when not the defaults."""
+    paper = Config()
+    own = {"task.name": cfg.task.name, "workflow.name": cfg.workflow.name}
+    names = dict(leaves(to_dict(paper)))
+    paper.task.name, paper.workflow.name = cfg.task.name, cfg.workflow.name
+    ref = dict(leaves(to_dict(resolve(paper))))
+    return [(k, v) for k, v in leaves(to_dict(resolve(cfg)))
+            if (names[k] if k in own else ref.get(k, object())) != v]
+
+
+def describe(cfg: Config, base: str) -> str:
+    """The lines every run prints first: its base, each key that departs from the paper's settings, and
+    the paper's values its `None` keys took for this task and workflow."""
+    lines = [f"config: {base}"]
+    diff = departures(cfg)
+    lines.append(f"differs from the paper's settings in {len(diff)} key(s)" + (":" if diff else ""))
+    lines += [f"  {k}={v}" for k, v in diff]
+    raw, done = dict(leaves(to_dict(cfg))), dict(leaves(to_dict(resolve(cfg))))
+    filled = [f"{k}={done[k]}" for k, v in raw.items() if v is None and done[k] is not None]
+    if filled:
+        lines.append(f"the paper's for {task_kind(cfg.task.name)} × {cfg.workflow.name}: {', '.join(filled)}")
+    return "\n".join(lines)
 
 
 def to_dict(cfg: Config) -> dict:

@@ -89,10 +89,64 @@ def test_deepcoder_all_test_styles_grade_through_the_sandbox():
     problems = load_task("deepcoder", path=fixture("deepcoder.jsonl"), split="all")
     assert [len(p.tests) for p in problems] == [2, 2, 2, 2]
     assert problems[0].tests[0] == {"input": "2 3\n", "output": "5\n"}
-    assert "Start from this code" in problems[2].question
+    assert "```python\nclass Solution:\n    def pairSums(self, nums: List[int]) -> List[int]:\n```" \
+        in problems[2].question
     for i, (right, wrong) in DEEPCODER_SOLUTIONS.items():
         assert problems[i].reward(f"```python\n{right}\n```") == 1.0, i
         assert problems[i].reward(f"```python\n{wrong}\n```") == 0.0, i
+
+
+def test_deepcoder_questions_carry_the_livecodebench_format_instructions():
+    """As the paper's prompts: stdin-to-stdout problems say so; call-tested problems (starter code or a
+    named function) say to keep the given signature; both ask for one ```python block."""
+    problems = load_task("deepcoder", path=fixture("deepcoder.jsonl"), split="all")
+    for i in (0, 3):
+        assert "read the input from standard input and write the answer to standard output" in problems[i].question
+        assert "signature" not in problems[i].question
+    for i in (1, 2):
+        assert "implement the function with the given signature" in problems[i].question
+        assert "standard input" not in problems[i].question
+    assert all(p.question.count("```python") == 1 for p in problems)
+
+
+def _deepcoder_rows(path, n, empty=()):
+    """n stdin DeepCoder rows (row i prints i); the rows in `empty` have no tests."""
+    with open(path, "w") as f:
+        for i in range(n):
+            tests = [] if i in empty else [{"type": "stdin_stdout", "input": "", "output": f"{i}\n"}]
+            f.write(json.dumps({"problem": f"Print {i}.", "tests": json.dumps(tests), "id": f"r{i}"}) + "\n")
+
+
+def test_deepcoder_split_is_the_papers(tmp_path):
+    """Rows without tests are dropped first; then a seed-42 shuffle holds out the first 1000 rows (the
+    paper's `dataset.shuffle(seed=42).select(range(1000))`), the rest train."""
+    path, empty = tmp_path / "deepcoder.jsonl", {3, 500, 1100}
+    _deepcoder_rows(path, 1200, empty)
+    kept = [f"deepcoder/r{i}" for i in range(1200) if i not in empty]
+    test = load_task("deepcoder", path=str(path), split="test")
+    train = load_task("deepcoder", path=str(path), split="train")
+    order = np.random.default_rng(42).permutation(len(kept))
+    assert [p.id for p in test] == [kept[i] for i in order[:1000]]
+    assert [p.id for p in train] == [kept[i] for i in order[1000:]]
+    assert len(load_task("deepcoder", path=str(path), split="test", holdout=0.1)) == math.ceil(0.1 * len(kept))
+
+
+def test_deepcoder_runtime_results_filter_tests_as_the_paper(tmp_path):
+    """With runtime results, a row keeps only its tests whose status is "passed"; a row left with none is
+    dropped; a row without an entry keeps all its tests."""
+    path = tmp_path / "deepcoder.jsonl"
+    rows = [[{"type": "stdin_stdout", "input": "", "output": f"{i}{j}\n"} for j in range(3)] for i in range(3)]
+    path.write_text("".join(json.dumps({"problem": f"p{i}", "tests": json.dumps(t), "id": f"r{i}"}) + "\n"
+                            for i, t in enumerate(rows)))
+    results = tmp_path / "runtime_results.json"
+    results.write_text(json.dumps({"0": {"0": {"status": "passed"}, "1": {"status": "failed"},
+                                         "2": {"status": "passed"}},
+                                   "1": {"0": {"status": "timeout"}}}))
+    problems = load_task("deepcoder", path=str(path), split="all", runtime_results=str(results))
+    assert [p.id for p in problems] == ["deepcoder/r0", "deepcoder/r2"]
+    assert [t["output"] for t in problems[0].tests] == ["00\n", "02\n"] and len(problems[1].tests) == 3
+    with pytest.raises(ValueError, match=r"takes no options \['runtime_result'\] \(it takes \['runtime_results'\]\)"):
+        load_task("deepcoder", path=str(path), split="all", runtime_result=str(results))
 
 
 def test_livecodebench_release_format():

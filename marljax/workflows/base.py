@@ -123,6 +123,7 @@ class Episode:
     reward: float
     info: dict[str, Any]
     call_ids: tuple[int, ...]  # indices into Rollout.calls, in execution order
+    prompt_overflow: bool = False  # ended by a prompt over `max_prompt_tokens` (reward 0, final "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,8 +242,8 @@ def answer_missing(text: str, kind: str) -> bool:
 
 def last_boxed(text: str, content: str) -> str | None:
     """Content of the last `\\boxed{X}` (or `\\boxed{\\text{X}}`) in `text` whose X fully matches the
-    regex `content`, case-insensitive; None if there is none. The one parser of short boxed tokens
-    (aggregator choices, evaluator verdicts)."""
+    regex `content`, case-insensitive; None if there is none (the evaluator's verdict; the aggregator's
+    choice is read as the paper's parser does, `voting.parse_choice`)."""
     pattern = rf"\\boxed\s*\{{\s*(?:\\text\w*\s*\{{\s*({content})\s*\}}|({content}))\s*\}}"
     matches = list(re.finditer(pattern, text, re.IGNORECASE))
     if not matches:
@@ -267,6 +268,7 @@ def rollout(
     seed: int = 0,
     reward_fn: RewardFn = grade_serially,
     grade_calls: bool = True,
+    max_prompt_tokens: int | None = None,
 ) -> Rollout:
     """Run `n_rollouts` episodes of `workflow` per problem, batched by stage and parameter set.
 
@@ -275,6 +277,10 @@ def rollout(
     sampler's randomness), never on the other episodes. Afterwards `reward_fn` grades, in one call, every
     episode's final answer and, if `grade_calls`, the outputs of `workflow.graded_roles` (for per-role
     metrics only; rewards are the final answer's).
+
+    `max_prompt_tokens` (None or 0: no cap): as in the paper, a longer prompt ends the episode. No call
+    of that stage of the episode is sampled; the episode keeps the calls it made before, its final
+    answer is "" and its reward 0, and it is flagged `prompt_overflow`.
     """
     missing = [r for r in workflow.roles if r not in route]
     if missing:
@@ -288,10 +294,20 @@ def rollout(
     calls: list[CallRecord] = []
     episode_calls: list[list[int]] = [[] for _ in owners]
     outcomes: dict[int, Outcome] = {}
+    overflow: set[int] = set()
     sampler_calls = stage = 0
     while pending:
         requests = [(e, c) for e, stage_calls in pending.items() for c in stage_calls]
-        results, n_calls = _run_stage(requests, sample_fn, codec, route, seed, stage)
+        prompts = [codec.render([dict(m) for m in c.messages]) for _, c in requests]
+        over = {e for (e, _), p in zip(requests, prompts) if max_prompt_tokens and len(p) > max_prompt_tokens}
+        for e in over:
+            scripts[e].close()
+            outcomes[e] = Outcome("", {})
+            del pending[e]
+        overflow |= over
+        kept = [k for k, (e, _) in enumerate(requests) if e not in over]
+        requests, prompts = [requests[k] for k in kept], [prompts[k] for k in kept]
+        results, n_calls = _run_stage(requests, prompts, sample_fn, codec, route, seed, stage)
         sampler_calls += n_calls
         texts: dict[int, list[str]] = {e: [] for e in pending}
         for (e, call), (prompt_ids, sample, text) in zip(requests, results):
@@ -313,7 +329,7 @@ def rollout(
                 outcomes[e] = _checked_outcome(stop.value, workflow)
         pending = next_pending
         stage += 1
-    return _grade(workflow, problems, owners, calls, episode_calls, outcomes, sampler_calls,
+    return _grade(workflow, problems, owners, calls, episode_calls, outcomes, overflow, sampler_calls,
                   reward_fn, grade_calls)
 
 
@@ -339,14 +355,14 @@ def _checked_outcome(outcome: Any, workflow: Workflow) -> Outcome:
     return outcome
 
 
-def _run_stage(requests, sample_fn, codec, route, seed, stage):
-    """Sample every call of a stage: one `sample_fn` call per parameter set. Returns, per request,
-    (prompt ids, sample, decoded text), and the number of sampler calls made."""
+def _run_stage(requests, rendered, sample_fn, codec, route, seed, stage):
+    """Sample every call of a stage (`rendered`: their prompt ids): one `sample_fn` call per parameter
+    set. Returns, per request, (prompt ids, sample, decoded text), and the number of sampler calls made."""
     results: list[Any] = [None] * len(requests)
     set_names = sorted({route[c.role] for _, c in requests})
     for set_name in set_names:
         idx = [k for k, (_, c) in enumerate(requests) if route[c.role] == set_name]
-        prompts = [codec.render([dict(m) for m in requests[k][1].messages]) for k in idx]
+        prompts = [rendered[k] for k in idx]
         samples = sample_fn(set_name, prompts, stage_seed(seed, stage, set_name))
         if len(samples) != len(prompts):
             raise ValueError(f"sample_fn({set_name!r}) returned {len(samples)} samples for {len(prompts)} prompts.")
@@ -358,14 +374,16 @@ def _run_stage(requests, sample_fn, codec, route, seed, stage):
     return results, len(set_names)
 
 
-def _grade(workflow, problems, owners, calls, episode_calls, outcomes, sampler_calls, reward_fn, grade_calls):
-    """One batched `reward_fn` call over the distinct (problem, text) pairs: final answers and, if asked,
-    the outputs of graded roles. Fills episode rewards and per-call correctness."""
-    wanted = {(owners[e][0], o.final): None for e, o in outcomes.items()}
+def _grade(workflow, problems, owners, calls, episode_calls, outcomes, overflow, sampler_calls, reward_fn,
+           grade_calls):
+    """One batched `reward_fn` call over the distinct (problem, text) pairs: final answers (but those of
+    `overflow` episodes, whose reward is 0) and, if asked, the outputs of graded roles. Fills episode
+    rewards and per-call correctness."""
+    wanted = {(owners[e][0], o.final): None for e, o in outcomes.items() if e not in overflow}
     if grade_calls:
         wanted.update({(c.problem_index, c.text): None for c in calls if c.role in workflow.graded_roles})
     keys = list(wanted)
-    scores = reward_fn([problems[i] for i, _ in keys], [t for _, t in keys])
+    scores = reward_fn([problems[i] for i, _ in keys], [t for _, t in keys]) if keys else []
     if len(scores) != len(keys):
         raise ValueError(f"reward_fn returned {len(scores)} rewards for {len(keys)} texts.")
     grades = {k: float(s) for k, s in zip(keys, scores)}
@@ -379,7 +397,8 @@ def _grade(workflow, problems, owners, calls, episode_calls, outcomes, sampler_c
                 calls[k] = dataclasses.replace(calls[k], correct=c)
         o = outcomes[e]
         episodes.append(Episode(id=e, problem_index=i, problem_id=problems[i].id, rollout=r, final=o.final,
-                                reward=grades[(i, o.final)], info=o.info, call_ids=tuple(episode_calls[e])))
+                                reward=0.0 if e in overflow else grades[(i, o.final)], info=o.info,
+                                call_ids=tuple(episode_calls[e]), prompt_overflow=e in overflow))
     return Rollout(workflow.name, frozenset(workflow.graded_roles), frozenset(workflow.slot_grouped_roles),
                    len(problems), tuple(calls), tuple(episodes), sampler_calls)
 
@@ -408,7 +427,7 @@ def _columns(calls: list[CallRecord], episodes: Sequence[Episode]) -> CallColumn
 def _transcript(e: Episode, calls: list[CallRecord], workflow: str) -> dict[str, Any]:
     return {
         "workflow": workflow, "episode": e.id, "problem_id": e.problem_id, "rollout": e.rollout,
-        "reward": e.reward, "final": e.final, "info": e.info,
+        "reward": e.reward, "final": e.final, "info": e.info, "prompt_overflow": e.prompt_overflow,
         "calls": [{"role": c.role, "slot": c.slot, "turn": c.turn, "stage": c.stage, "set": c.set_name,
                    "messages": [dict(m) for m in c.messages], "response": c.text,
                    "response_tokens": len(c.response_ids), "truncated": c.truncated,

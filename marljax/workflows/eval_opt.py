@@ -15,8 +15,7 @@ from collections.abc import Callable, Sequence
 from marljax.tasks.data import Problem
 from marljax.workflows.base import (EVALUATOR, GENERATOR, CallRecord, EpisodeScript, Outcome, RoleCall, Workflow,
                                     assistant, last_boxed, user)
-
-DEFAULT_MAX_ITERATIONS = {"math": 3, "code": 2}
+from marljax.workflows.limits import MAX_ITERATIONS
 
 
 def parse_verdict(text: str) -> str | None:
@@ -27,8 +26,8 @@ def parse_verdict(text: str) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class EvalOpt(Workflow):
-    """`max_iterations`: evaluator calls per episode at most (= generator calls at most); None → by
-    problem kind, 3 for math and 2 for code."""
+    """`max_iterations`: evaluator calls per episode at most (= generator calls at most); None → the
+    paper's by problem kind (`workflows.limits`: 3 for math, 2 for code)."""
 
     max_iterations: int | None = None
 
@@ -41,7 +40,7 @@ class EvalOpt(Workflow):
             raise ValueError(f"max_iterations must be >= 1, got {self.max_iterations}")
 
     def iterations(self, kind: str) -> int:
-        return self.max_iterations if self.max_iterations is not None else DEFAULT_MAX_ITERATIONS[kind]
+        return self.max_iterations if self.max_iterations is not None else MAX_ITERATIONS[kind]
 
     def episode(self, problem: Problem) -> EpisodeScript:
         prompts = self.prompts(problem.kind)

@@ -31,12 +31,13 @@ def evaluate_workflow(
     *,
     reward_fn: RewardFn = grade_serially,
     progress: bool = True,
+    max_prompt_tokens: int | None = None,
 ) -> Evaluation:
     """Run `workflow` k times on every problem, `batch_size` problems (× k episodes) per rollout.
 
     Metrics: `pass@1` (mean reward over all problems and runs), `pass@1/std` (std over the k per-run
     means, 0 when k = 1), `pass@k` for k > 1 (fraction of problems solved in any run), `n_problems`, `k`,
-    and every `rollout_metrics` key.
+    and every `rollout_metrics` key. `max_prompt_tokens`: as `rollout`'s.
     """
     if not problems:
         raise ValueError("evaluate_workflow: no problems given.")
@@ -48,7 +49,8 @@ def evaluate_workflow(
         for b, start in enumerate(range(0, len(problems), batch_size)):
             batch_seed = int(np.random.SeedSequence([seed, b]).generate_state(1)[0])
             part = rollout(workflow, problems[start: start + batch_size], sample_fn, codec, route,
-                           n_rollouts=k, seed=batch_seed, reward_fn=reward_fn)
+                           n_rollouts=k, seed=batch_seed, reward_fn=reward_fn,
+                           max_prompt_tokens=max_prompt_tokens)
             parts.append(part)
             rewards += [e.reward for e in part.episodes]
             bar.update(len(part.episodes))

@@ -16,12 +16,14 @@ def rollout_metrics(rollout: Rollout) -> dict[str, float]:
     answers; the evaluator's verdict against the truth). Per workflow: `reward/mean`,
     `workflow/any_correct` (an episode counts if any output of a graded role is correct: the oracle over
     voters / workers / Eval-Opt turns), and the mean of every numeric episode fact as `workflow/<key>`
-    (e.g. `workflow/eval_opt_turns`, `workflow/n_strategies`, `workflow/choice`).
+    (e.g. `workflow/eval_opt_turns`, `workflow/n_strategies`, `workflow/choice`), and
+    `workflow/prompt_overflow`, the fraction of episodes a prompt over the cap ended.
     """
     episodes = rollout.episodes
     if not episodes:
         raise ValueError("rollout_metrics: the rollout has no episodes.")
-    out = {"reward/mean": float(np.mean([e.reward for e in episodes]))}
+    out = {"reward/mean": float(np.mean([e.reward for e in episodes])),
+           "workflow/prompt_overflow": float(np.mean([e.prompt_overflow for e in episodes]))}
     by_role: dict[str, list[CallRecord]] = {}
     for c in rollout.calls:
         by_role.setdefault(c.role, []).append(c)

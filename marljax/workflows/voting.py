@@ -9,7 +9,7 @@ import dataclasses
 import re
 
 from marljax.tasks.data import Problem
-from marljax.workflows.base import AGGREGATOR, GENERATOR, EpisodeScript, Outcome, RoleCall, Workflow, last_boxed, user
+from marljax.workflows.base import AGGREGATOR, GENERATOR, EpisodeScript, Outcome, RoleCall, Workflow, user
 from marljax.workflows.prompts import format_solutions
 
 
@@ -19,13 +19,18 @@ class Choice:
     source: str  # "boxed" | "digit" (first standalone digit 1-9) | "default" (candidate 1)
 
 
+_BOXED_NUMBER = re.compile(r"\\boxed\{(\d+)\}")
+_STANDALONE_DIGIT = re.compile(r"\b[1-9]\b")
+
+
 def parse_choice(text: str, n: int) -> Choice:
-    """The aggregator's pick among n candidates: the last `\\boxed{i}` with 1 <= i <= n; else the first
-    standalone digit 1-9 if it names a candidate; else candidate 1."""
-    boxed = last_boxed(text, r"\d+")
-    if boxed is not None and 1 <= int(boxed) <= n:
-        return Choice(int(boxed), "boxed")
-    digit = re.search(r"\b[1-9]\b", text)
+    """The aggregator's pick among n candidates, as the paper's parser reads it: the first `\\boxed{i}`
+    (digits only, nothing else inside the braces) if 1 <= i <= n; else the first standalone digit 1-9 of
+    the text if it names a candidate; else candidate 1. Only the first match of each rule counts."""
+    boxed = _BOXED_NUMBER.search(text)
+    if boxed is not None and 1 <= int(boxed.group(1)) <= n:
+        return Choice(int(boxed.group(1)), "boxed")
+    digit = _STANDALONE_DIGIT.search(text)
     if digit is not None and int(digit.group()) <= n:
         return Choice(int(digit.group()), "digit")
     return Choice(1, "default")
