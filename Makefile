@@ -15,7 +15,7 @@ $(VENV_STAMP): requirements.txt requirements-test.txt pyproject.toml
 setup: $(VENV_STAMP)
 
 run: $(VENV_STAMP)
-	$(PY) -m marljax.train $(ARGS)
+	$(PY) -m marljax.train --config configs/default.yaml $(ARGS)
 
 test: $(VENV_STAMP)
 	$(PY) -m pytest -q $(ARGS)

@@ -284,7 +284,7 @@ def cli_config(config_file: str | None, overrides: list[str]) -> tuple[Config, s
     `key=value` either, the CPU demo `configs/default.yaml` (what a bare `python -m marljax.train` runs);
     else the paper's settings (the dataclass defaults), which the overrides then change."""
     if config_file is None and not overrides:
-        config_file = str(DEMO_CONFIG)
+        return load_config(str(DEMO_CONFIG)), f"{DEMO_CONFIG} (the CPU demo: no arguments given)"
     return load_config(config_file, overrides), config_file or PAPER_BASE
 
 
@@ -336,7 +336,8 @@ def describe(cfg: Config, base: str) -> str:
     raw, done = dict(leaves(to_dict(cfg))), dict(leaves(to_dict(resolve(cfg))))
     filled = [f"{k}={done[k]}" for k, v in raw.items() if v is None and done[k] is not None]
     if filled:
-        lines.append(f"the paper's for {task_kind(cfg.task.name)} × {cfg.workflow.name}: {', '.join(filled)}")
+        lines.append(f"left to the paper's values for {task_kind(cfg.task.name)} × {cfg.workflow.name}: "
+                     f"{', '.join(filled)}")
     return "\n".join(lines)
 
 

@@ -2,8 +2,10 @@
 
 Workflow pass@1 on held-out problems (one sampled run per problem; `eval.k=K` for mean ± std and
 pass@K), per-role metrics, transcripts as JSONL. Same config keys as `train`; `checkpoint=RUN_DIR`
-evaluates the newest checkpoint of a training run (its parameter sets and routing). The last line printed
-is `pass@1 = <float>`.
+evaluates the newest checkpoint of a training run (its parameter sets and routing). The base config is
+chosen as `train`'s: `--config FILE` (or the checkpoint's config.yaml); no arguments at all:
+configs/default.yaml; only key=value: the paper's settings. The first lines (stderr) name the base and the
+keys that depart from the paper's settings. The last line printed is `pass@1 = <float>`.
 """
 from __future__ import annotations
 
@@ -13,13 +15,16 @@ import pathlib
 import sys
 
 from marljax import compile_cache
-from marljax.config import ConfigError, load_config
+import yaml
+
+from marljax.config import ConfigError, cli_config, describe, resolve, to_dict
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m marljax.evaluate", description=__doc__.splitlines()[0])
     ap.add_argument("--config", help="YAML config (e.g. a run's config.yaml)")
     ap.add_argument("--out", help="write metrics.json and transcripts.jsonl here")
+    ap.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     ap.add_argument("overrides", nargs="*", help="key=value; n=N, checkpoint=RUN_DIR are shortcuts")
     args = ap.parse_args(argv)
     compile_cache.enable()
@@ -38,9 +43,14 @@ def main(argv: list[str] | None = None) -> None:
         if not pathlib.Path(config_file).exists():
             ap.exit(2, f"checkpoint={checkpoint}: no config.yaml there; is it a marljax run directory?\n")
     try:
-        cfg = load_config(config_file, overrides)
+        cfg, base = cli_config(config_file, overrides)
+        resolved = resolve(cfg)
     except ConfigError as e:
         ap.exit(2, f"config error: {e}\n")
+    print(describe(cfg, base), file=sys.stderr, flush=True)
+    if args.print_config:
+        print(yaml.safe_dump(to_dict(resolved), sort_keys=False), end="")
+        return
     cfg.eval.at_start = False
 
     from marljax.train import Run
@@ -56,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"evaluating {checkpoint} at step {step}", file=sys.stderr)
     from marljax.workflows.evaluation import evaluate_workflow
     ev = evaluate_workflow(run.workflow, run.eval_problems, run.sample_fn(cfg.eval.temperature), run.codec,
-                           run.route, seed=cfg.seed, k=cfg.eval.k)
+                           run.route, seed=cfg.seed, k=cfg.eval.k, max_prompt_tokens=run.cfg.sampling.max_prompt_tokens)
     for k, v in sorted(ev.metrics.items()):
         print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
     if args.out:

@@ -6,7 +6,9 @@ step-time estimate for an accelerator, the mesh each cell would use, and a plan 
     python -m marljax.matrix --cell voting-math-qwen3-1.7b-isolated --out DIR   # prints the YAML path
 
 42 cells: {eval_opt, voting, orch_workers} × {math, code} × {qwen3-0.6b, 1.7b, 4b} × {shared,
-isolated}, plus single-agent × {math, code} × the three models. Hyperparameters are SPEC §1's.
+isolated}, plus single-agent × {math, code} × the three models. Hyperparameters are SPEC §1's: the
+dataclass defaults of `marljax.config`, with the response and prompt lengths and Eval-Opt iterations of
+`marljax.workflows.limits` for the cell's task and workflow written out.
 
 The estimates are an explicit model, per chip, stated so they can be checked:
   memory  base weights (bfloat16; sharded over fsdp × tensor, replicated over data) + LoRA float32
@@ -17,8 +19,8 @@ The estimates are an explicit model, per chip, stated so they can be checked:
           lengths need from a trainer: micro-batches of one row per chip, layer rematerialisation,
           a flash-style attention (no T² scores) and log-probs in chunks of 1,024 positions.
   time    roofline with efficiencies: decode step = max(bytes / (HBM × 0.6), FLOPs / (peak × 0.4))
-          + the FSDP weight all-gather over ICI; every sampler chunk runs all 5,120 decode steps (a
-          batch ends with its longest sequence) and every stage runs its full iteration count; train
+          + the FSDP weight all-gather over ICI; every sampler chunk runs all of the cell's max-response
+          decode steps, 5,120 math / 2,048 code (a batch ends with its longest sequence) and every stage runs its full iteration count; train
           FLOPs = 8·N·tokens (forward, recompute, backward to activations; LoRA has no base weight
           gradient) on the padded rows `rl.step.pack` builds, at 40% of peak. Upper bounds.
 The mesh replicates the frozen base over `data` when it takes ≤ 25% of HBM, else shards it over the
@@ -34,11 +36,12 @@ import sys
 
 import yaml
 
-from marljax.config import Config, MeshConfig, to_dict
+from marljax.config import Config, MeshConfig, resolve, to_dict
 from marljax.models.decoder import LINEAR_AXES, ModelConfig
 from marljax.models.presets import PRESETS
 from marljax.rl.step import length_bucket
 from marljax.sampling import bucket, bucket_rows
+from marljax.workflows.limits import Limits, paper_limits
 
 WORKFLOWS = ("eval_opt", "voting", "orch_workers")
 TASKS = {"math": "dapo_math", "code": "deepcoder"}
@@ -47,12 +50,13 @@ POLICIES = ("shared", "isolated")
 ROLES = {"single": ("generator",), "eval_opt": ("generator", "evaluator"),
          "voting": ("generator", "aggregator"), "orch_workers": ("orchestrator", "worker", "synthesizer")}
 
-# The paper's setup (SPEC §1).
-PROBLEMS, ROLLOUTS, MAX_RESPONSE, MINIBATCH, STEPS, EVAL_EVERY = 64, 8, 5120, 512, 300, 10
-EVAL_N = {"math": 1412, "code": 1000}  # held-out problems
-ITERATIONS = {"math": 3, "code": 2}  # Eval-Opt
-N_VOTES = MAX_SUBTASKS = 3
-LORA_RANK, LORA_ALPHA = 64, 32.0
+# The paper's setup (SPEC §1): the config's defaults.
+_PAPER = Config()
+PROBLEMS, ROLLOUTS, MINIBATCH = _PAPER.rl.problems_per_step, _PAPER.rl.rollouts, _PAPER.rl.minibatch_size
+STEPS, EVAL_EVERY = _PAPER.steps, _PAPER.eval.every
+N_VOTES, MAX_SUBTASKS = _PAPER.workflow.n_votes, _PAPER.workflow.max_subtasks
+LORA_RANK, LORA_ALPHA = _PAPER.lora.rank, _PAPER.lora.alpha
+EVAL_N = {"math": 1412, "code": 1000}  # held-out problems (for the time estimate; the configs evaluate all)
 
 # Length assumptions (tokens): a problem prompt with chat template and the empty think block; one
 # Orch-Workers strategy line.
@@ -118,21 +122,31 @@ class Cell:
     def n_sets(self) -> int:
         return len(self.roles) if self.policy == "isolated" else 1
 
+    @property
+    def limits(self) -> Limits:
+        """The paper's response and prompt lengths and Eval-Opt iterations for this task and workflow."""
+        return paper_limits(self.task, self.workflow)
+
+    @property
+    def max_response(self) -> int:
+        return self.limits.response
+
     def stages(self) -> list[Stage]:
-        """The cell's sampler rounds per episode, longest case (every iteration runs)."""
-        q, r = PROMPT_TOKENS[self.task], MAX_RESPONSE
+        """The cell's sampler rounds per episode, longest case (every iteration runs); no prompt is longer
+        than the paper's cap (a longer one ends the episode)."""
+        q, r = PROMPT_TOKENS[self.task], self.max_response
         if self.workflow == "single":
-            return [Stage("generator", 1, q)]
-        if self.workflow == "voting":
-            return [Stage("generator", N_VOTES, q), Stage("aggregator", 1, q + N_VOTES * r)]
-        if self.workflow == "orch_workers":
+            out = [Stage("generator", 1, q)]
+        elif self.workflow == "voting":
+            out = [Stage("generator", N_VOTES, q), Stage("aggregator", 1, q + N_VOTES * r)]
+        elif self.workflow == "orch_workers":
             s = STRATEGY_TOKENS
-            return [Stage("orchestrator", 1, q), Stage("worker", MAX_SUBTASKS, q + s),
-                    Stage("synthesizer", 1, q + MAX_SUBTASKS * (r + s))]
-        out = []  # eval_opt: generator k sees k solutions and k verdicts; evaluator k one more solution
-        for k in range(ITERATIONS[self.task]):
-            out += [Stage("generator", 1, q + 2 * k * r), Stage("evaluator", 1, q + (2 * k + 1) * r)]
-        return out
+            out = [Stage("orchestrator", 1, q), Stage("worker", MAX_SUBTASKS, q + s),
+                   Stage("synthesizer", 1, q + MAX_SUBTASKS * (r + s))]
+        else:  # eval_opt: generator k sees k solutions and k verdicts; evaluator k one more solution
+            out = [Stage(role, 1, q + (2 * k + (role == "evaluator")) * r)
+                   for k in range(self.limits.iterations) for role in ("generator", "evaluator")]
+        return [dataclasses.replace(st, prompt=min(st.prompt, self.limits.prompt)) for st in out]
 
 
 def cells() -> list[Cell]:
@@ -251,17 +265,17 @@ def _sampling_seconds(cell: Cell, cfg: ModelConfig, acc: Accelerator, mesh, epis
     total = 0.0
     for st in cell.stages():
         rows, p = episodes * st.calls, bucket(st.prompt, 16)
-        length = p + MAX_RESPONSE
+        length = p + cell.max_response
         chunk = min(bucket_rows(rows), 1 << max(0, (max_cache_tokens // length).bit_length() - 1))
         chips_on_batch = data * fsdp if chunk % (data * fsdp) == 0 else 1
         rows_chip = chunk / chips_on_batch
-        ctx = p + MAX_RESPONSE / 2
+        ctx = p + cell.max_response / 2
         step_bytes = weights + rows_chip * ctx * kv_bytes_per_token(cfg, acc.dtype) / tensor
         step_flops = rows_chip * (2 * n_matmul + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx) / tensor
         step = max(step_bytes / (acc.hbm_gbs * 1e9 * HBM_EFFICIENCY),
                    step_flops / (acc.tflops * 1e12 * MFU)) + gather
         prefill = rows_chip * p * 2 * n_matmul / tensor / (acc.tflops * 1e12 * MFU)
-        total += math.ceil(rows / chunk) * (MAX_RESPONSE * step + prefill)
+        total += math.ceil(rows / chunk) * (cell.max_response * step + prefill)
     return total
 
 
@@ -279,7 +293,7 @@ def _train_seconds(cell: Cell, cfg: ModelConfig, acc: Accelerator) -> float:
     for role, n in samples.items():
         k = chunks[sets[role]]
         rows = k * bucket_rows(math.ceil(n / k))
-        length = length_bucket(max(s.prompt for s in cell.stages() if s.role == role) + MAX_RESPONSE + 1)
+        length = length_bucket(max(s.prompt for s in cell.stages() if s.role == role) + cell.max_response + 1)
         per_token = 8 * n_matmul + 3 * attn * length  # forward, recompute, backward to activations
         if recompute_old:
             per_token += 2 * n_matmul + attn * length
@@ -291,17 +305,18 @@ def estimate(cell: Cell, acc: Accelerator, steps: int = STEPS) -> Estimate:
     cfg = PRESETS[cell.model]
     mesh = choose_mesh(cfg, acc)
     data, fsdp, tensor = mesh
-    longest = max(length_bucket(s.prompt + MAX_RESPONSE + 1) for s in cell.stages())
+    r = cell.max_response
+    longest = max(length_bucket(s.prompt + r + 1) for s in cell.stages())
     fixed = memory(cfg, dtype=acc.dtype, n_sets=cell.n_sets, n_roles=len(cell.roles), rank=LORA_RANK,
                    mesh=mesh, cache_rows=0, cache_len=0, train_rows=data * fsdp, train_len=longest,
-                   response_len=MAX_RESPONSE)
+                   response_len=r)
     free = HBM_USABLE * acc.hbm_gb * 1e9 - (fixed.base + fixed.lora + fixed.optimizer + fixed.rollout_weights)
     kv_tensor = tensor if cfg.num_kv_heads % tensor == 0 else 1
     max_cache_tokens = max(0, int(free * data * fsdp * kv_tensor / kv_bytes_per_token(cfg, acc.dtype)))
     max_cache_tokens -= max_cache_tokens % 1024
-    biggest = max(s.calls * PROBLEMS * ROLLOUTS * (bucket(s.prompt, 16) + MAX_RESPONSE) for s in cell.stages())
+    biggest = max(s.calls * PROBLEMS * ROLLOUTS * (bucket(s.prompt, 16) + r) for s in cell.stages())
     max_cache_tokens = min(max_cache_tokens, biggest)
-    cache_len = bucket(max(s.prompt for s in cell.stages()), 16) + MAX_RESPONSE
+    cache_len = bucket(max(s.prompt for s in cell.stages()), 16) + r
     cache_rows = 1 << max(0, (max_cache_tokens // cache_len).bit_length() - 1)
     mem = dataclasses.replace(fixed, kv_cache=memory(
         cfg, dtype=acc.dtype, n_sets=cell.n_sets, n_roles=len(cell.roles), rank=LORA_RANK, mesh=mesh,
@@ -317,30 +332,18 @@ def estimate(cell: Cell, acc: Accelerator, steps: int = STEPS) -> Estimate:
 
 # ---- configs and plan -----------------------------------------------------------------------------
 def cell_config(est: Estimate, acc: Accelerator, data_root: str = "data") -> Config:
-    """The run config of a cell, with SPEC §1's hyperparameters and the estimate's mesh and KV cap."""
+    """The run config of a cell: the paper's settings (the config's defaults, resolved for the cell's task
+    and workflow) with the cell's choices, the estimate's mesh and KV cap."""
     c, cfg = est.cell, Config()
-    cfg.model, cfg.dtype, cfg.policy, cfg.steps, cfg.seed = c.model, acc.dtype, c.policy, est.steps, 0
+    cfg.model, cfg.dtype, cfg.policy, cfg.steps = c.model, acc.dtype, c.policy, est.steps
     cfg.run_dir = f"runs/matrix/{c.name}"
     cfg.task.name = TASKS[c.task]
     cfg.task.path = f"{data_root}/{'dapo-math-17k' if c.task == 'math' else 'deepcoder'}"
-    cfg.task.eval_n = EVAL_N[c.task]
-    cfg.workflow.name, cfg.workflow.n_votes, cfg.workflow.max_subtasks = c.workflow, N_VOTES, MAX_SUBTASKS
-    cfg.workflow.max_iterations = ITERATIONS[c.task] if c.workflow == "eval_opt" else None
-    s = cfg.sampling
-    s.max_new_tokens, s.temperature, s.top_p, s.top_k = MAX_RESPONSE, 0.7, 1.0, 0
-    s.max_cache_tokens = est.max_cache_tokens
-    rl = cfg.rl
-    rl.problems_per_step, rl.rollouts, rl.group_preset, rl.reward_routing = PROBLEMS, ROLLOUTS, "paper", "broadcast"
-    rl.estimator, rl.clip_low, rl.clip_high, rl.dual_clip = "grpo", 0.2, 0.28, 3.0
-    rl.agg, rl.minibatch, rl.minibatch_size = "seq_mean_token_mean", "paper", MINIBATCH
-    o = cfg.optim
-    o.lr, o.warmup_steps, o.schedule, o.weight_decay, o.b1, o.b2, o.grad_clip = 2e-5, 15, "cosine", 0.01, 0.9, 0.999, 1.0
-    cfg.lora.enabled, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets = True, LORA_RANK, LORA_ALPHA, ["all-linear"]
-    cfg.eval.every, cfg.eval.temperature, cfg.eval.k, cfg.eval.at_start = EVAL_EVERY, 0.7, 1, True
-    cfg.checkpoint.every, cfg.checkpoint.keep = EVAL_EVERY, 2
+    cfg.workflow.name = c.workflow
+    cfg.sampling.max_cache_tokens = est.max_cache_tokens
     data, fsdp, tensor = est.mesh
     cfg.mesh = MeshConfig(data=data, fsdp=fsdp, tensor=tensor, rules="auto", lora="sharded")
-    return cfg
+    return resolve(cfg)
 
 
 def plan(estimates: list[Estimate], slices: int) -> dict[str, int]:

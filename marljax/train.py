@@ -1,4 +1,8 @@
-"""`python -m marljax.train [--config FILE] [key=value ...]`: GRPO on a multi-agent workflow.
+"""`python -m marljax.train [--config FILE] [--print-config] [key=value ...]`: GRPO on a multi-agent workflow.
+
+The base config: `--config FILE` if given; with no arguments at all, configs/default.yaml (the CPU
+demo); with only key=value overrides, the paper's settings (the dataclass defaults of marljax.config).
+The first lines printed (stderr) name the base and every key that departs from the paper's settings.
 
 Loop per step: rollout (batched workflow engine over the policy sets) → rewards → group advantages →
 one jitted update per mini-batch (per-role grads, diagnostics, per-set AdamW) → metrics. Evaluation
@@ -25,7 +29,7 @@ from tqdm.auto import tqdm
 
 from marljax import compile_cache, sharding
 from marljax.checkpoint import Checkpointer
-from marljax.config import Config, ConfigError, load_config, to_dict
+from marljax.config import Config, ConfigError, cli_config, describe, leaves, load_config, resolve, to_dict
 from marljax.metrics import MetricsLogger
 from marljax.models import load_model, load_tokenizer
 from marljax.models.tokenizer import ChatCodec
@@ -41,9 +45,6 @@ from marljax.workflows import Sample as WorkflowSample
 from marljax.workflows import get_workflow, rollout
 from marljax.workflows.evaluation import evaluate_workflow
 from marljax.workflows.metrics import rollout_metrics
-
-DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
-
 
 def lr_at(cfg: Config, step: int) -> float:
     """Linear warm-up then cosine to 0 (or constant), indexed by training step (1-based)."""
@@ -72,10 +73,10 @@ def same_role_counts(workflow) -> dict[str, int]:
 
 
 class Run:
-    """Everything a training run holds; built from a Config."""
+    """Everything a training run holds; built from a Config (resolved: `None`s take the paper's values)."""
 
     def __init__(self, cfg: Config):
-        self.cfg = cfg
+        self.cfg = cfg = resolve(cfg)
         self.run_dir = pathlib.Path(cfg.run_dir)
         if cfg.mesh.lora not in ("sharded", "replicated"):
             raise ConfigError(f"mesh.lora={cfg.mesh.lora!r}; choose 'sharded' or 'replicated'.")
@@ -187,7 +188,8 @@ class Run:
 
     def evaluate(self, seed: int) -> dict:
         ev = evaluate_workflow(self.workflow, self.eval_problems, self.sample_fn(self.cfg.eval.temperature),
-                               self.codec, self.route, seed=seed, k=self.cfg.eval.k, progress=False)
+                               self.codec, self.route, seed=seed, k=self.cfg.eval.k, progress=False,
+                               max_prompt_tokens=self.cfg.sampling.max_prompt_tokens)
         return ev
 
     # ---- data ----------------------------------------------------------------------------------
@@ -209,7 +211,7 @@ class Run:
         problems = self.batch_problems(step)
         ro = rollout(self.workflow, problems, self.sample_fn(cfg.sampling.temperature), self.codec,
                      self.route, n_rollouts=cfg.rl.rollouts, seed=int(np.random.SeedSequence(
-                         [cfg.seed, step]).generate_state(1)[0]))
+                         [cfg.seed, step]).generate_state(1)[0]), max_prompt_tokens=cfg.sampling.max_prompt_tokens)
         t_rollout = time.perf_counter() - t0
         c = ro.columns()
         adv = compute_advantages(problem_id=c.problem_id, rollout=c.rollout, role=c.role, slot=c.slot,
@@ -269,7 +271,8 @@ def check_run_dir_config(run_dir: pathlib.Path, cfg: Config) -> None:
     """A resumed run must use the config it started with (except `steps`, which may grow, and `mesh`).
 
     The saved config is read back through `load_config`, so keys that marljax gained since the run began
-    take their defaults rather than counting as a difference.
+    take their defaults rather than counting as a difference; both are compared resolved (`None` = the
+    paper's value, as the run used it).
     """
     saved = run_dir / "config.yaml"
     if not saved.exists():
@@ -279,21 +282,12 @@ def check_run_dir_config(run_dir: pathlib.Path, cfg: Config) -> None:
     except ConfigError as e:
         raise ConfigError(f"{saved} (the config this run started with) no longer loads: {e} Resume with the "
                           "marljax version that wrote it, or pick a new run_dir.") from e
-    old, new = dict(_leaves(to_dict(old_cfg))), dict(_leaves(to_dict(cfg)))
+    old, new = dict(leaves(to_dict(resolve(old_cfg)))), dict(leaves(to_dict(resolve(cfg))))
     diff = [f"{k} ({old.get(k)!r} → {new.get(k)!r})" for k in sorted(set(old) | set(new))
             if k.split(".")[0] not in ("steps", "mesh") and old.get(k) != new.get(k)]
     if diff:
         raise ConfigError(f"{run_dir} holds a run with a different config (differs in: {', '.join(diff)}). "
                           "Resume with the same config, or pick a new run_dir.")
-
-
-def _leaves(d: dict, prefix: str = ""):
-    """(dotted key, value) for every leaf of a nested config mapping."""
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            yield from _leaves(v, f"{prefix}{k}.")
-        else:
-            yield f"{prefix}{k}", v
 
 
 def train(cfg: Config) -> pathlib.Path:
@@ -368,16 +362,23 @@ class _SilentLogger:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m marljax.train", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="YAML config (default: configs/default.yaml)")
+    parser.add_argument("--config", help="YAML config (without it: no arguments at all run configs/default.yaml, "
+                                         "the CPU demo; key=value overrides start from the paper's settings)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as YAML and exit (loads no model or data)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rl.clip_high=0.28")
     args = parser.parse_args(argv)
-    sharding.initialize_distributed()
-    compile_cache.enable()
     try:
-        cfg = load_config(args.config, args.overrides,
-                          default_file=str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None)
+        cfg, base = cli_config(args.config, args.overrides)
+        resolved = resolve(cfg)
     except ConfigError as e:
         parser.exit(2, f"config error: {e}\n")
+    print(describe(cfg, base), file=sys.stderr, flush=True)
+    if args.print_config:
+        print(yaml.safe_dump(to_dict(resolved), sort_keys=False), end="")
+        return
+    sharding.initialize_distributed()
+    compile_cache.enable()
     report = train(cfg)
     from marljax.report import summarize
     s = summarize(report.parent) if sharding.is_primary() else {}

@@ -1,6 +1,7 @@
 """The experiment matrix: 42 cells with the paper's hyperparameters, loadable configs, and a memory
 formula that matches the live device memory of a tiny-scale Qwen3-0.6B-shaped run."""
 import dataclasses
+import pathlib
 
 import jax
 import pytest
@@ -40,8 +41,36 @@ def test_cell_configs_carry_the_paper_setup(tmp_path):
     assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets) == (64, 32.0, ["all-linear"])
     assert (cfg.sampling.temperature, cfg.sampling.max_new_tokens, cfg.eval.every, cfg.steps) == (0.7, 5120, 10, 300)
     assert cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor == 8 and cfg.sampling.max_cache_tokens > 0
+    assert (cfg.sampling.max_prompt_tokens, cfg.task.eval_n) == (20480, None)  # None: every held-out problem
     code = load_config(str(tmp_path / "eval_opt-code-qwen3-4b-shared.yaml"))
     assert code.task.name == "deepcoder" and code.workflow.max_iterations == 2
+    assert (code.sampling.max_new_tokens, code.sampling.max_prompt_tokens) == (2048, 10240)
+    single = load_config(str(tmp_path / "single-code-qwen3-0.6b.yaml"))
+    assert (single.sampling.max_new_tokens, single.sampling.max_prompt_tokens) == (2048, 4096)
+
+
+def test_code_cells_are_sized_for_2048_token_responses():
+    """A code cell's stages, memory and time use the paper's 2048-token code responses (math 5120), and
+    no stage's prompt is over the paper's cap."""
+    code, math_ = matrix.Cell("voting", "code", "qwen3-0.6b", "shared"), matrix.Cell("voting", "math", "qwen3-0.6b",
+                                                                                    "shared")
+    assert (code.max_response, math_.max_response) == (2048, 5120)
+    assert [s.prompt for s in code.stages()] == [matrix.PROMPT_TOKENS["code"], matrix.PROMPT_TOKENS["code"] + 3 * 2048]
+    for cell in matrix.cells():
+        assert max(s.prompt for s in cell.stages()) <= cell.limits.prompt
+    acc = matrix.ACCELERATORS["h100"]
+    assert matrix.estimate(code, acc).sample_s < 0.5 * matrix.estimate(math_, acc).sample_s
+
+
+def test_committed_paper_cells_are_the_generators_output(tmp_path):
+    """configs/paper/ is `python -m marljax.matrix --accelerator h100 --out configs/paper`, byte for byte:
+    after changing the config or the matrix, regenerate it with that command."""
+    committed = pathlib.Path(__file__).resolve().parent.parent / "configs" / "paper"
+    matrix.main(["--accelerator", "h100", "--out", str(tmp_path)])
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted(p.name for p in committed.iterdir())
+    for name in names:
+        assert (tmp_path / name).read_text() == (committed / name).read_text(), f"configs/paper/{name} is stale"
 
 
 def test_cell_option_prints_the_config_path(tmp_path, capsys):
