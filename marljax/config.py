@@ -318,12 +318,10 @@ def departures(cfg: Config) -> list[tuple[str, Any]]:
     dataclass defaults resolved for the same task and workflow, so a code run's 2048-token responses are
     the paper's, and a 5120 there is not. The task and workflow themselves count when not the defaults."""
     paper = Config()
-    own = {"task.name": cfg.task.name, "workflow.name": cfg.workflow.name}
-    names = dict(leaves(to_dict(paper)))
+    defaults = {"task.name": paper.task.name, "workflow.name": paper.workflow.name}
     paper.task.name, paper.workflow.name = cfg.task.name, cfg.workflow.name
-    ref = dict(leaves(to_dict(resolve(paper))))
-    return [(k, v) for k, v in leaves(to_dict(resolve(cfg)))
-            if (names[k] if k in own else ref.get(k, object())) != v]
+    ref = {**dict(leaves(to_dict(resolve(paper)))), **defaults}
+    return [(k, v) for k, v in leaves(to_dict(resolve(cfg))) if ref.get(k, object()) != v]
 
 
 def describe(cfg: Config, base: str) -> str:

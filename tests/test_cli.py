@@ -107,3 +107,25 @@ def test_make_run_passes_the_demo_explicitly():
     makefile = (ROOT / "Makefile").read_text()
     recipe = makefile.split("\nrun:", 1)[1].split("\n\n", 1)[0]
     assert "-m marljax.train --config configs/default.yaml $(ARGS)" in recipe
+
+
+def test_the_run_resolves_its_config_and_caps_prompts(tmp_path):
+    """`Run` takes the paper's values for `None` keys, and its rollouts (training and eval) end an episode
+    whose prompt is over `sampling.max_prompt_tokens`: capped at the longest voter prompt, every Voting
+    aggregator prompt (the problem plus three candidates) is over it."""
+    from marljax.workflows.base import RoleCall
+
+    args = ["model=tiny-qwen3", "sampling.max_new_tokens=6", "rl.problems_per_step=1", "rl.rollouts=2",
+            "task.eval_n=2", "task.train_size=4", "lora.rank=2", "lora.layers=null", f"run_dir={tmp_path}"]
+    run = train.Run(load_config(str(DEMO_CONFIG), args))
+    assert (run.cfg.sampling.max_prompt_tokens, run.cfg.workflow.max_iterations) == (20480, 3)
+    voter = max(len(run.codec.render([dict(m) for m in call.messages]))
+                for p in run.train_problems + run.eval_problems for call in next(run.workflow.episode(p))
+                if isinstance(call, RoleCall))
+    run.cfg.sampling.max_prompt_tokens = voter
+    ev = run.evaluate(seed=0)
+    assert ev.metrics["workflow/prompt_overflow"] == 1.0 and ev.metrics["pass@1"] == 0.0
+    assert ev.metrics["role/generator/calls_per_episode"] == 3 and "role/aggregator/length_mean" not in ev.metrics
+    record = run.train_step(1)
+    assert record["workflow/prompt_overflow"] == 1.0 and record["reward/mean"] == 0.0
+    assert (record["role/generator/n_samples"], record["role/aggregator/n_samples"]) == (6, 0)
