@@ -129,6 +129,12 @@ def test_deepcoder_split_is_the_papers(tmp_path):
     assert [p.id for p in test] == [kept[i] for i in order[:1000]]
     assert [p.id for p in train] == [kept[i] for i in order[1000:]]
     assert len(load_task("deepcoder", path=str(path), split="test", holdout=0.1)) == math.ceil(0.1 * len(kept))
+    shards = tmp_path / "shards"  # a directory of shards (no train/test files) is the same source
+    shards.mkdir()
+    lines = path.read_text().splitlines(keepends=True)
+    (shards / "train-00000-of-00002.jsonl").write_text("".join(lines[:700]))
+    (shards / "train-00001-of-00002.jsonl").write_text("".join(lines[700:]))
+    assert load_task("deepcoder", path=str(shards), split="test") == test
 
 
 def test_deepcoder_runtime_results_filter_tests_as_the_paper(tmp_path):

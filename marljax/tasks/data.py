@@ -1,9 +1,11 @@
 """Problems and dataset loaders: every task yields `Problem`s with a prompt, a gold target and a reward.
 
 A file-backed task is rows from a source, converted one by one into Problems:
-  source = a file (.jsonl, .jsonl.gz, .json, .parquet), a directory holding {train,test}.<ext>,
-           "tfds:NAME[:SPLIT]" (tfds.data_source over array_record in $TFDS_DATA_DIR; no TensorFlow), or
-           "hf:REPO[:CONFIG[:SPLIT]]" (the `datasets` package, online).
+  source = a file (.jsonl, .jsonl.gz, .json, .parquet), a directory holding {train,test}.<ext>, a
+           directory of other data files (e.g. a dataset's parquet shards: read in name order as one
+           source), "tfds:NAME[:SPLIT]" (tfds.data_source over array_record in $TFDS_DATA_DIR; no
+           TensorFlow), or "hf:REPO[:CONFIG[:SPLIT]]" (the `datasets` package, online; e.g. the paper's
+           DeepCoder: hf:agentica-org/DeepCoder-Preview-Dataset:primeintellect:train).
   split  = a directory's own train/test files; any other source is split deterministically: a
            permutation by numpy's default_rng(seed), its first rows held out as "test": ceil(holdout * n)
            of them for a fraction (the rows datasets' `train_test_split(test_size=holdout, seed=seed)`
@@ -170,6 +172,11 @@ def rows(source: str, split: str) -> tuple[grain.MapDataset, bool]:
                         "files.")
     if not os.path.isdir(source):
         return grain.MapDataset.source(_file_rows(source)), False
+    if not any(os.path.isfile(os.path.join(source, s + ext)) for s in ("train", "test") for ext in _EXTENSIONS):
+        shards = sorted(f for f in os.listdir(source) if f.endswith(_EXTENSIONS))
+        if shards:  # one source in name order; keys are row numbers across the shards
+            joined = [r for f in shards for r in _file_rows(os.path.join(source, f))]
+            return grain.MapDataset.source([(w, str(i), row) for i, (w, _, row) in enumerate(joined)]), False
     splits = ("train", "test") if split == "all" else (split,)
     triples = [r for s in splits for r in _file_rows(_split_file(source, s), key_prefix=f"{s}/")]
     return grain.MapDataset.source(triples), True
