@@ -20,7 +20,8 @@ The estimates are an explicit model, per chip, stated so they can be checked:
           a flash-style attention (no T² scores) and log-probs in chunks of 1,024 positions.
   time    roofline with efficiencies: decode step = max(bytes / (HBM × 0.6), FLOPs / (peak × 0.4))
           + the FSDP weight all-gather over ICI; every sampler chunk runs all of the cell's max-response
-          decode steps, 5,120 math / 2,048 code (a batch ends with its longest sequence) and every stage runs its full iteration count; train
+          decode steps, 5,120 math / 2,048 code (a batch ends with its longest sequence), and every
+          stage runs its full iteration count with prompts at most the paper's cap; train
           FLOPs = 8·N·tokens (forward, recompute, backward to activations; LoRA has no base weight
           gradient) on the padded rows `rl.step.pack` builds, at 40% of peak. Upper bounds.
 The mesh replicates the frozen base over `data` when it takes ≤ 25% of HBM, else shards it over the

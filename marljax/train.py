@@ -46,6 +46,7 @@ from marljax.workflows import get_workflow, rollout
 from marljax.workflows.evaluation import evaluate_workflow
 from marljax.workflows.metrics import rollout_metrics
 
+
 def lr_at(cfg: Config, step: int) -> float:
     """Linear warm-up then cosine to 0 (or constant), indexed by training step (1-based)."""
     o = cfg.optim
@@ -211,7 +212,8 @@ class Run:
         problems = self.batch_problems(step)
         ro = rollout(self.workflow, problems, self.sample_fn(cfg.sampling.temperature), self.codec,
                      self.route, n_rollouts=cfg.rl.rollouts, seed=int(np.random.SeedSequence(
-                         [cfg.seed, step]).generate_state(1)[0]), max_prompt_tokens=cfg.sampling.max_prompt_tokens)
+                         [cfg.seed, step]).generate_state(1)[0]),
+                     max_prompt_tokens=cfg.sampling.max_prompt_tokens)
         t_rollout = time.perf_counter() - t0
         c = ro.columns()
         adv = compute_advantages(problem_id=c.problem_id, rollout=c.rollout, role=c.role, slot=c.slot,
