@@ -273,7 +273,7 @@ class Run:
         self.dominance = DominanceTracker.from_state_dict(meta["dominance"])
         self.lengths = LengthDrift.from_state_dict(meta["lengths"])
         self.nonfinite_streak = meta["nonfinite_streak"]
-        self.lr_scale, self.stopped = meta.get("lr_scale", 1.0), meta.get("stopped")  # absent before rollback
+        self.lr_scale, self.stopped = meta.get("lr_scale", 1.0), meta.get("stopped")  # absent in older checkpoints
 
 
 def check_rollback(d) -> None:

@@ -45,7 +45,7 @@ def _saved_params(run_dir, which):
     return Checkpointer(run_dir, 2, 2).restore(None, which=which)[1]["params"]["shared"]
 
 
-def test_which_peak_reevaluates_the_peak(single, capfd):
+def test_which_peak_reevaluates_the_peak(single, tmp_path, capfd):
     cfg_file = str(single / "config.yaml")
     peak, newest = _saved_params(single, "peak"), _saved_params(single, "newest")
     assert not _equal(peak, newest)
@@ -59,6 +59,8 @@ def test_which_peak_reevaluates_the_peak(single, capfd):
     saved = json.loads((single / "evals" / "peak.json").read_text())
     assert (saved["which"], saved["step"], saved["n"], saved["transfer"]) == ("peak", 2, 2, None)
     assert out.strip().splitlines()[-1] == f"pass@1 = {saved['pass@1']:.4f}" and len(saved["rewards"]) == 2
+    report = write_report([single], tmp_path / "report").read_text()
+    assert f"| single | peak (2) | single | – | {saved['pass@1']:.3f} ± " in report
 
 
 @pytest.mark.parametrize("workflow,mode,route", [
