@@ -47,7 +47,7 @@ class Checkpointer:
         return True
 
     def save_peak(self, step: int, state: Any, meta: dict) -> None:
-        """Save the state of a new best eval at `step` (replacing a stale one of the same step)."""
+        """Save the state of a new best eval at `step`."""
         _save(self.peaks, step, state, meta)
         self._prune_peaks()
 
@@ -91,8 +91,6 @@ class Checkpointer:
 
 
 def _save(manager: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None:
-    if step in manager.all_steps():  # left by a killed attempt at this step; this one replaces it
-        manager.delete(step)
     manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                meta=ocp.args.JsonSave(meta)), force=True)
     manager.wait_until_finished()
