@@ -17,6 +17,7 @@ import sys
 
 from marljax import compile_cache
 from marljax.config import ConfigError, load_config
+from marljax.rl import policy_map as pm
 
 SHORTCUTS = ("n", "checkpoint", "which", "transfer")
 
@@ -48,7 +49,6 @@ def build(checkpoint: pathlib.Path | None, config_file: str | None, overrides: l
     Raises ConfigError (bad keys, transfer from a run that is not single-agent, an unknown workflow or mode)
     or FileNotFoundError (no checkpoint / peak)."""
     from marljax.checkpoint import WHICH, Checkpointer
-    from marljax.rl import policy_map as pm
     from marljax.train import Run, workflow_options
     from marljax.workflows import get_workflow
 
@@ -89,7 +89,6 @@ def build(checkpoint: pathlib.Path | None, config_file: str | None, overrides: l
 
 def _single_agent_params(ckpt, run, source, which: str):
     """(step, the parameter set of a single-agent run's checkpoint), laid out like `run.params["sa"]`."""
-    from marljax.rl import policy_map as pm
     name = pm.from_config(source.policy, ("generator",)).route["generator"]
     p, o = run.params["sa"], run.opt_states["sa"]
     target = {"params": {name: p}, "opt": {name: o}, "ema": {"generator": p} if source.rl.damping_lambda > 0 else {}}

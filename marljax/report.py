@@ -4,10 +4,12 @@ Per run: accuracy vs step (base line, peak, final, cliff marker), per-role gradi
 per-role output length and parse-failure rate, optimizer steps per set. For several runs, a paper-style
 table: cell, base, peak (step), final, Δ vs base ± its noise, Δ vs the single-agent run of the same task and
 model when one is among the runs, cliff, dominant role. Every number in the table comes from metrics.jsonl
-through `summarize`. Checkpoint re-evaluations (`python -m marljax.evaluate checkpoint=RUN_DIR`, e.g.
-`which=peak`, or a single-agent run's SA→MA `transfer=`) are read from RUN_DIR/evals/*.json: the table then
-gains an "SA-transfer" column beside "Δ vs single", and the report lists every such eval with its step. The noise is one binomial standard error of final − base, from the number of graded
+through `summarize`. The noise is one binomial standard error of final − base, from the number of graded
 episodes behind each eval (`eval/n_problems` × `eval/k`).
+
+Checkpoint re-evaluations (`python -m marljax.evaluate checkpoint=RUN_DIR`, e.g. `which=peak`, or a
+single-agent run's SA→MA `transfer=`) are read from RUN_DIR/evals/*.json: the table then gains an
+"SA-transfer" column beside "Δ vs single", and the report lists every such eval with its state and step.
 """
 from __future__ import annotations
 
