@@ -81,6 +81,7 @@ class Run:
         self.run_dir = pathlib.Path(cfg.run_dir)
         if cfg.mesh.lora not in ("sharded", "replicated"):
             raise ConfigError(f"mesh.lora={cfg.mesh.lora!r}; choose 'sharded' or 'replicated'.")
+        check_rollback(cfg.diagnostics)
         self.mesh = sharding.make_mesh(cfg.mesh)
         self.rules = sharding.get_rules(cfg.mesh, self.mesh)
         self.model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed,
@@ -140,7 +141,6 @@ class Run:
         self.dominance = DominanceTracker(window=d.dominant_window)
         self.lengths = LengthDrift()
         self.nonfinite_streak = 0
-        check_rollback(d)
         self.lr_scale = 1.0  # product of the `rollback_lr_scale`s of the rollbacks so far
         self.stopped: str | None = None  # why a rollback ended the run (a re-run then trains no further)
 
