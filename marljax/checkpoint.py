@@ -1,5 +1,12 @@
 """Orbax checkpoints of a training run: every parameter set, optimizer states, EMA grads, and a JSON
-record (step, trackers, counters), so a killed run resumes exactly where it stopped."""
+record (step, trackers, counters), so a killed run resumes exactly where it stopped.
+
+Two directories: RUN_DIR/checkpoints holds the newest `keep` states (resume); RUN_DIR/peak holds the
+state of the best held-out eval (the cliff rollback's target, and `evaluate which=peak`). The peak
+directory keeps the newest peak plus the newest peak at or before the newest checkpoint: a run resumed
+from that checkpoint has that peak as its tracker's best step, and recomputes (and saves again) any later
+one. At most two states.
+"""
 from __future__ import annotations
 
 import pathlib
@@ -7,43 +14,83 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
+WHICH = ("newest", "peak")
+
 
 class Checkpointer:
-    """Saves every `every` steps under RUN_DIR/checkpoints, keeping the newest `keep`."""
+    """Saves every `every` steps under RUN_DIR/checkpoints, keeping the newest `keep`; peaks under RUN_DIR/peak."""
 
     def __init__(self, run_dir: str | pathlib.Path, every: int, keep: int):
         self.every = every
-        self.dir = pathlib.Path(run_dir).absolute() / "checkpoints"
+        run_dir = pathlib.Path(run_dir).absolute()
+        self.dir = run_dir / "checkpoints"
+        self.peak_dir = run_dir / "peak"
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=False)
         self.manager = ocp.CheckpointManager(self.dir, options=options)
+        self.peaks = ocp.CheckpointManager(self.peak_dir, options=ocp.CheckpointManagerOptions(
+            create=True, enable_async_checkpointing=False))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def peak_step(self) -> int | None:
+        """Step of the newest saved peak (None before the first eval)."""
+        return self.peaks.latest_step()
 
     def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
         """Save `state` (a pytree of arrays) and `meta` (JSON) at `step` when due (or `force`)."""
         if not force and (self.every <= 0 or step % self.every):
             return False
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        meta=ocp.args.JsonSave(meta)), force=force)
-        self.manager.wait_until_finished()
+        _save(self.manager, step, state, meta)
+        self._prune_peaks()
         return True
 
-    def restore(self, target: Any, step: int | None = None) -> tuple[int, Any, dict]:
-        """Restore into the structure, dtypes and shardings of `target`; the newest step by default."""
-        step = self.latest_step() if step is None else step
+    def save_peak(self, step: int, state: Any, meta: dict) -> None:
+        """Save the state of a new best eval at `step`."""
+        _save(self.peaks, step, state, meta)
+        self._prune_peaks()
+
+    def discard_peaks_after(self, step: int | None) -> None:
+        """Delete peaks newer than `step` (all when None): a run restarting from `step` saves them again."""
+        for s in self.peaks.all_steps():
+            if step is None or s > step:
+                self.peaks.delete(s)
+
+    def _prune_peaks(self) -> None:
+        steps = sorted(self.peaks.all_steps())
+        latest = self.latest_step()
+        keep = {steps[-1]} if steps else set()
+        keep |= {max((s for s in steps if latest is not None and s <= latest), default=None)}
+        for s in steps:
+            if s not in keep:
+                self.peaks.delete(s)
+
+    def restore(self, target: Any, step: int | None = None, *, which: str = "newest") -> tuple[int, Any, dict]:
+        """Restore into the structure, dtypes and shardings of `target` (as saved when None): the newest
+        checkpoint (`which="newest"`) or the peak (`which="peak"`); `step` picks another one."""
+        if which not in WHICH:
+            raise ValueError(f"which={which!r}; choose one of {WHICH}.")
+        manager, where = (self.manager, self.dir) if which == "newest" else (self.peaks, self.peak_dir)
+        step = manager.latest_step() if step is None else step
         if step is None:
-            raise FileNotFoundError(f"No checkpoint under {self.dir}.")
+            raise FileNotFoundError(f"No {'checkpoint' if which == 'newest' else 'peak checkpoint'} under {where}.")
         try:
-            out = self.manager.restore(step, args=ocp.args.Composite(
+            out = manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(
-                f"Checkpoint {self.dir}/{step} does not match this run's config (model, policy map, "
+                f"Checkpoint {where}/{step} does not match this run's config (model, policy map, "
                 f"LoRA settings must be the same as when it was written): {e}. Use a new run_dir, or "
                 "the config the run was started with (RUN_DIR/config.yaml).") from e
         return step, out["state"], out["meta"]
 
     def close(self):
         self.manager.close()
+        self.peaks.close()
+
+
+def _save(manager: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None:
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                               meta=ocp.args.JsonSave(meta)), force=True)
+    manager.wait_until_finished()

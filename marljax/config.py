@@ -117,7 +117,8 @@ class DiagnosticsSection:
     cliff_drop: float = 0.05  # δ: absolute accuracy drop from the peak (0.05 = 5 points)
     cliff_window: float = 0.25  # X: the drop must start within the last X of the run
     dominant_window: int = 5
-    rollback_on_cliff: bool = False
+    rollback_on_cliff: bool = False  # when the cliff detector fires, restore the peak checkpoint's state
+    rollback_lr_scale: float | None = None  # after a rollback: None stops the run; a float continues, lr × it
     max_nonfinite: int = 3  # stop after this many non-finite losses in a row
 
 

@@ -2,10 +2,13 @@
 
 Workflow pass@1 on held-out problems (one sampled run per problem; `eval.k=K` for mean ± std and
 pass@K), per-role metrics, transcripts as JSONL. Same config keys as `train`; `checkpoint=RUN_DIR`
-evaluates the newest checkpoint of a training run (its parameter sets and routing). The base config is
-chosen as `train`'s: `--config FILE` (or the checkpoint's config.yaml); no arguments at all:
-configs/default.yaml; only key=value: the paper's settings. The first lines (stderr) name the base and the
-keys that depart from the paper's settings. The last line printed is `pass@1 = <float>`.
+evaluates a training run's parameter sets and routing: its newest checkpoint, or with `which=peak` the
+state of its best eval during training. `transfer=all|generators` with `workflow=W` is the paper's SA→MA
+transfer control: a single-agent run's set on every role of W, or on its solving roles with the base model
+on the supervisory ones. Checkpoint evals are also written to RUN_DIR/evals/<name>.json, where the report
+finds them. The base config is chosen as `train`'s: `--config FILE` (or the checkpoint's config.yaml); no
+arguments at all: configs/default.yaml; only key=value: the paper's settings. The first lines (stderr) name
+the base and the keys that depart from the paper's settings. The last line printed is `pass@1 = <float>`.
 """
 from __future__ import annotations
 
@@ -14,29 +17,113 @@ import json
 import pathlib
 import sys
 
-from marljax import compile_cache
 import yaml
 
-from marljax.config import ConfigError, cli_config, describe, resolve, to_dict
+from marljax import compile_cache
+from marljax.config import ConfigError, cli_config, describe, load_config, resolve, to_dict
+from marljax.rl import policy_map as pm
+
+SHORTCUTS = ("n", "checkpoint", "which", "transfer")
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None):
+    """(args, config overrides, {shortcut: value})."""
     ap = argparse.ArgumentParser(prog="python -m marljax.evaluate", description=__doc__.splitlines()[0])
     ap.add_argument("--config", help="YAML config (e.g. a run's config.yaml)")
     ap.add_argument("--out", help="write metrics.json and transcripts.jsonl here")
     ap.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
-    ap.add_argument("overrides", nargs="*", help="key=value; n=N, checkpoint=RUN_DIR are shortcuts")
+    ap.add_argument("overrides", nargs="*", help="key=value; n=N, checkpoint=RUN_DIR, which=newest|peak, "
+                                                 "transfer=all|generators are shortcuts")
     args = ap.parse_args(argv)
-    compile_cache.enable()
-    overrides, checkpoint = [], None
+    overrides, short = [], {}
     for item in args.overrides:
         key, _, value = item.partition("=")
         if key == "n":
             overrides.append(f"task.eval_n={value}")
-        elif key == "checkpoint":
-            checkpoint = pathlib.Path(value)
+        elif key in SHORTCUTS:
+            short[key] = value
         else:
             overrides.append(item)
+    return ap, args, overrides, short
+
+
+def build(checkpoint: pathlib.Path | None, config_file: str | None, overrides: list[str], which: str,
+          transfer: str | None):
+    """The Run to evaluate and the checkpoint step it holds (None without a checkpoint).
+
+    Raises ConfigError (bad keys, transfer from a run that is not single-agent, an unknown workflow or mode)
+    or FileNotFoundError (no checkpoint / peak)."""
+    from marljax.checkpoint import WHICH, Checkpointer
+    from marljax.train import Run, workflow_options
+    from marljax.workflows import get_workflow
+
+    if which not in WHICH:
+        raise ConfigError(f"which={which!r}; choose one of {WHICH}.")
+    if checkpoint is None and (transfer is not None or which != "newest"):
+        raise ConfigError("which= and transfer= evaluate a training run; add checkpoint=RUN_DIR.")
+    cfg, _ = cli_config(config_file, overrides)
+    cfg.eval.at_start = False
+    try:
+        target = get_workflow(cfg.workflow.name, **workflow_options(cfg))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    source = load_config(config_file) if transfer is not None else None
+    if transfer is not None:
+        if source.workflow.name != "single":
+            raise ConfigError(f"transfer={transfer} puts a single-agent run's parameters on a workflow's roles, but "
+                              f"{checkpoint} is a workflow={source.workflow.name} run; pass a workflow=single run.")
+        if transfer not in pm.TRANSFER_MODES:
+            raise ConfigError(f"transfer={transfer!r}; choose one of {pm.TRANSFER_MODES}.")
+        cfg.policy = dict(pm.transfer(target.roles, target.graded_roles, transfer).route)
+        cfg.rl.kl_beta = {}  # names the source's roles; nothing is trained here
+    run = Run(cfg)
+    if checkpoint is None:
+        return run, None
+    ckpt = Checkpointer(checkpoint, cfg.checkpoint.every, cfg.checkpoint.keep)
+    try:
+        if transfer is None:
+            step, state, meta = ckpt.restore(run.state(), which=which)
+            run.load(state, meta)
+        else:
+            step, params = _single_agent_params(ckpt, run, source, which)
+            run.params = {**run.params, "sa": params}  # "base" keeps its fresh init: B = 0, the base model
+    finally:
+        ckpt.close()
+    return run, step
+
+
+def _single_agent_params(ckpt, run, source, which: str):
+    """(step, the parameter set of a single-agent run's checkpoint), laid out like `run.params["sa"]`."""
+    name = pm.from_config(source.policy, ("generator",)).route["generator"]
+    p, o = run.params["sa"], run.opt_states["sa"]
+    target = {"params": {name: p}, "opt": {name: o}, "ema": {"generator": p} if source.rl.damping_lambda > 0 else {}}
+    step, state, _ = ckpt.restore(target, which=which)
+    return step, state["params"][name]
+
+
+def result(ev, cfg, checkpoint: pathlib.Path, step: int, which: str, transfer: str | None,
+           overrides: list[str]) -> dict:
+    """The JSON record of a checkpoint eval: what was evaluated, pass@1, and each problem's mean reward."""
+    per_problem: dict[str, list[float]] = {}
+    for t in ev.transcripts:
+        per_problem.setdefault(str(t["problem_id"]), []).append(float(t["reward"]))
+    return {"run": checkpoint.name, "workflow": cfg.workflow.name, "transfer": transfer, "which": which,
+            "step": step, "pass@1": ev.metrics["pass@1"], "n": int(ev.metrics["n_problems"]),
+            "k": int(ev.metrics["k"]), "seed": cfg.seed, "overrides": overrides, "metrics": ev.metrics,
+            "rewards": {pid: sum(r) / len(r) for pid, r in per_problem.items()}}
+
+
+def result_path(checkpoint: pathlib.Path, workflow: str, which: str, transfer: str | None) -> pathlib.Path:
+    """RUN_DIR/evals/<which>.json, or transfer-<workflow>-<mode>-<which>.json for a transfer eval."""
+    name = which if transfer is None else f"transfer-{workflow}-{transfer}-{which}"
+    return checkpoint / "evals" / f"{name}.json"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap, args, overrides, short = parse(argv)
+    compile_cache.enable()
+    checkpoint = pathlib.Path(short["checkpoint"]) if "checkpoint" in short else None
+    which, transfer = short.get("which", "newest"), short.get("transfer")
     config_file = args.config
     if checkpoint is not None and config_file is None:
         config_file = str(checkpoint / "config.yaml")
@@ -51,19 +138,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.print_config:
         print(yaml.safe_dump(to_dict(resolved), sort_keys=False), end="")
         return
-    cfg.eval.at_start = False
-
-    from marljax.train import Run
-    from marljax.checkpoint import Checkpointer
-    run = Run(cfg)
+    try:
+        run, step = build(checkpoint, config_file, overrides, which, transfer)
+    except ConfigError as e:
+        ap.exit(2, f"config error: {e}\n")
+    except FileNotFoundError as e:
+        ap.exit(2, f"checkpoint={checkpoint}: {e}\n")
+    cfg = run.cfg
     if checkpoint is not None:
-        ckpt = Checkpointer(checkpoint, cfg.checkpoint.every, cfg.checkpoint.keep)
-        if ckpt.latest_step() is None:
-            ap.exit(2, f"checkpoint={checkpoint}: no checkpoint under {ckpt.dir}.\n")
-        step, state, meta = ckpt.restore(run.state())
-        run.load(state, meta)
-        ckpt.close()
-        print(f"evaluating {checkpoint} at step {step}", file=sys.stderr)
+        what = f" → {cfg.workflow.name} (transfer={transfer})" if transfer else ""
+        print(f"evaluating {checkpoint} {which} at step {step}{what}", file=sys.stderr)
     from marljax.workflows.evaluation import evaluate_workflow
     ev = evaluate_workflow(run.workflow, run.eval_problems, run.sample_fn(cfg.eval.temperature), run.codec,
                            run.route, seed=cfg.seed, k=cfg.eval.k, max_prompt_tokens=run.cfg.sampling.max_prompt_tokens)
@@ -74,6 +158,11 @@ def main(argv: list[str] | None = None) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.json").write_text(json.dumps(ev.metrics, indent=1))
         (out / "transcripts.jsonl").write_text("".join(json.dumps(t) + "\n" for t in ev.transcripts))
+    if checkpoint is not None:
+        path = result_path(checkpoint, cfg.workflow.name, which, transfer)
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(result(ev, cfg, checkpoint, step, which, transfer, overrides), indent=1))
+        print(f"wrote {path}", file=sys.stderr)
     print(f"pass@1 = {ev.metrics['pass@1']:.4f}")
 
 

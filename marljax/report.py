@@ -6,10 +6,15 @@ table: cell, base, peak (step), final, Δ vs base ± its noise, Δ vs the single
 model when one is among the runs, cliff, dominant role. Every number in the table comes from metrics.jsonl
 through `summarize`. The noise is one binomial standard error of final − base, from the number of graded
 episodes behind each eval (`eval/n_problems` × `eval/k`).
+
+Checkpoint re-evaluations (`python -m marljax.evaluate checkpoint=RUN_DIR`, e.g. `which=peak`, or a
+single-agent run's SA→MA `transfer=`) are read from RUN_DIR/evals/*.json: the table then gains an
+"SA-transfer" column beside "Δ vs single", and the report lists every such eval with its state and step.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import pathlib
 from typing import Any
@@ -184,16 +189,48 @@ def vs_single(s: dict, summaries: list[dict]) -> float | None:
     return s["final"] - singles[0]["final"] if singles and "final" in s and s.get("workflow") != "single" else None
 
 
+def read_evals(run_dir: str | pathlib.Path) -> list[dict]:
+    """A run's checkpoint evals (RUN_DIR/evals/*.json, written by `python -m marljax.evaluate checkpoint=`)."""
+    return [json.loads(p.read_text()) for p in sorted((pathlib.Path(run_dir) / "evals").glob("*.json"))]
+
+
+def sa_transfer(s: dict, summaries: list[dict]) -> str | None:
+    """pass@1 of single-agent runs (same task and model) transferred onto this run's workflow, per mode."""
+    if s.get("workflow") == "single":
+        return None
+    found = [e for x in summaries if x.get("workflow") == "single"
+             and (x.get("task"), x.get("model")) == (s.get("task"), s.get("model"))
+             for e in x.get("evals", []) if e.get("transfer") and e["workflow"] == s.get("workflow")]
+    return "; ".join(f"{e['transfer']}{' (peak)' if e['which'] == 'peak' else ''} {e['pass@1']:.3f}"
+                     for e in found) or None
+
+
 def table(summaries: list[dict]) -> str:
-    """Markdown table: cell, base, peak (step), final, Δ vs base ± noise, Δ vs single, cliff, dominant role."""
-    lines = ["| run | cell | base | peak (step) | final | Δ vs base (± 1 s.e.) | Δ vs single | cliff | dominant role |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """Markdown table: cell, base, peak (step), final, Δ vs base ± noise, Δ vs single, [SA-transfer,] cliff,
+    dominant role. The SA-transfer column appears when a summary carries transfer evals (`evals`)."""
+    sa = any(e.get("transfer") for s in summaries for e in s.get("evals", []))
+    lines = ["| run | cell | base | peak (step) | final | Δ vs base (± 1 s.e.) | Δ vs single |"
+             + (" SA-transfer |" if sa else "") + " cliff | dominant role |",
+             "|---|---|---|---|---|---|---|" + ("---|" if sa else "") + "---|---|"]
     for s in summaries:
         peak = f"{_fmt(s.get('peak'))} ({s.get('peak_step', '–')})"
         delta = _fmt(s.get("delta")) + (f" ± {s['noise']:.3f}" if "noise" in s else "")
         dom = f"{s['dominant_role']} ({s['dominant_share']:.2f})" if "dominant_role" in s else "–"
+        transfer = f" {_fmt(sa_transfer(s, summaries))} |" if sa else ""
         lines.append(f"| {s['run']} | {s['cell']} | {_fmt(s.get('base'))} | {peak} | {_fmt(s.get('final'))} | "
-                     f"{delta} | {_fmt(vs_single(s, summaries))} | {_fmt(s.get('cliff'))} | {dom} |")
+                     f"{delta} | {_fmt(vs_single(s, summaries))} |{transfer} {_fmt(s.get('cliff'))} | {dom} |")
+    return "\n".join(lines)
+
+
+def evals_table(summaries: list[dict]) -> str:
+    """Markdown table of every checkpoint eval: which state (newest or peak) at which step, on which
+    workflow (and transfer mode), pass@1 ± its binomial s.e. over n × k episodes."""
+    lines = ["| run | state (step) | workflow | transfer | pass@1 (± 1 s.e.) | n × k |", "|---|---|---|---|---|---|"]
+    for s in summaries:
+        for e in s.get("evals", []):
+            se = _se(e["pass@1"], e["n"] * e["k"])
+            lines.append(f"| {s['run']} | {e['which']} ({e['step']}) | {e['workflow']} | {_fmt(e.get('transfer'))} | "
+                         f"{e['pass@1']:.3f} ± {se:.3f} | {e['n']} × {e['k']} |")
     return "\n".join(lines)
 
 
@@ -202,8 +239,10 @@ def write_report(run_dirs: list[str | pathlib.Path], out: str | pathlib.Path | N
     run_dirs = [pathlib.Path(d) for d in run_dirs]
     out_dir = pathlib.Path(out) if out else run_dirs[0]
     out_dir.mkdir(parents=True, exist_ok=True)
-    summaries = [summarize(d) for d in run_dirs]
+    summaries = [{**summarize(d), "evals": read_evals(d)} for d in run_dirs]
     parts = ["# marljax report", "", table(summaries), ""]
+    if any(s["evals"] for s in summaries):
+        parts += ["## Checkpoint evaluations", "", evals_table(summaries), ""]
     for d in run_dirs:
         parts += [f"## {d.name}", ""]
         for p in plot_run(d, out_dir):

@@ -7,7 +7,9 @@ The first lines printed (stderr) name the base and every key that departs from t
 Loop per step: rollout (batched workflow engine over the policy sets) → rewards → group advantages →
 one jitted update per mini-batch (per-role grads, diagnostics, per-set AdamW) → metrics. Evaluation
 (workflow pass@1 on held-out problems) before step 1 and every `eval.every` steps; Orbax checkpoints
-every `checkpoint.every` steps; re-running on a run_dir with a checkpoint resumes it exactly.
+every `checkpoint.every` steps; re-running on a run_dir with a checkpoint resumes it exactly. The state of
+the best eval so far is kept apart (RUN_DIR/peak); with `diagnostics.rollback_on_cliff` the trainer
+restores it when the terminal-cliff detector fires, then stops or continues at a scaled learning rate.
 """
 from __future__ import annotations
 
@@ -81,6 +83,7 @@ class Run:
         self.run_dir = pathlib.Path(cfg.run_dir)
         if cfg.mesh.lora not in ("sharded", "replicated"):
             raise ConfigError(f"mesh.lora={cfg.mesh.lora!r}; choose 'sharded' or 'replicated'.")
+        check_rollback(cfg.diagnostics)
         self.mesh = sharding.make_mesh(cfg.mesh)
         self.rules = sharding.get_rules(cfg.mesh, self.mesh)
         self.model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed,
@@ -140,6 +143,8 @@ class Run:
         self.dominance = DominanceTracker(window=d.dominant_window)
         self.lengths = LengthDrift()
         self.nonfinite_streak = 0
+        self.lr_scale = 1.0  # product of the `rollback_lr_scale`s of the rollbacks so far
+        self.stopped: str | None = None  # why a rollback ended the run (a re-run then trains no further)
 
     def init_params(self) -> dict:
         key = jax.random.key(self.cfg.seed)
@@ -225,11 +230,12 @@ class Run:
         samples = [Sample(str(c.role[i]), list(c.prompt_ids[i]), list(c.response_ids[i]),
                           float(advantage[i])) for i in range(len(c.role)) if len(c.response_ids[i])]
         t1 = time.perf_counter()
+        lr = lr_at(cfg, step) * self.lr_scale
         with sharding.use_mesh(self.mesh, self.rules):
             self.params, self.opt_states, self.ema, m = train_batch(
-                self.trainer, self.params, self.opt_states, self.ema, samples, lr_at(cfg, step))
+                self.trainer, self.params, self.opt_states, self.ema, samples, lr)
         t_update = time.perf_counter() - t1
-        record = {"step": step, "lr": lr_at(cfg, step), **rollout_metrics(ro), **adv.metrics(), **m}
+        record = {"step": step, "lr": lr, **rollout_metrics(ro), **adv.metrics(), **m}
         for role in self.workflow.roles:
             record[f"role/{role}/n_samples"] = int(np.sum(c.role == role))
         set_losses = [m[f"set/{s}/loss"] for s in self.policy.sets if f"set/{s}/loss" in m]
@@ -259,14 +265,62 @@ class Run:
     def meta(self, step: int) -> dict:
         return {"step": step, "accuracy": self.accuracy.state_dict(),
                 "dominance": self.dominance.state_dict(), "lengths": self.lengths.state_dict(),
-                "nonfinite_streak": self.nonfinite_streak}
+                "nonfinite_streak": self.nonfinite_streak, "lr_scale": self.lr_scale, "stopped": self.stopped}
+
+    def load_state(self, state):
+        """Parameters, optimizer states and damping EMA from a restored `state()`."""
+        self.params, self.opt_states, self.ema = state["params"], state["opt"], state["ema"]
 
     def load(self, state, meta):
-        self.params, self.opt_states, self.ema = state["params"], state["opt"], state["ema"]
+        self.load_state(state)
         self.accuracy = AccuracyTracker.from_state_dict(meta["accuracy"])
         self.dominance = DominanceTracker.from_state_dict(meta["dominance"])
         self.lengths = LengthDrift.from_state_dict(meta["lengths"])
         self.nonfinite_streak = meta["nonfinite_streak"]
+        self.lr_scale, self.stopped = meta.get("lr_scale", 1.0), meta.get("stopped")  # absent in older checkpoints
+
+
+def check_rollback(d) -> None:
+    """`diagnostics.rollback_lr_scale` needs `rollback_on_cliff` and must be > 0 (None: stop after rolling back)."""
+    scale = d.rollback_lr_scale
+    if scale is not None and not d.rollback_on_cliff:
+        raise ConfigError(f"diagnostics.rollback_lr_scale={scale} has no effect without "
+                          "diagnostics.rollback_on_cliff=true; set both, or drop the scale.")
+    if scale is not None and not scale > 0:
+        raise ConfigError(f"diagnostics.rollback_lr_scale={scale} must be > 0 (e.g. 0.5), or null to stop the run "
+                          "after rolling back.")
+
+
+def track_eval(run: Run, ckpt: Checkpointer, step: int, metrics: dict) -> bool:
+    """Feed one eval to the accuracy tracker and save the state as the peak when it sets a new best.
+    Returns True when the cliff detector fires."""
+    fired = run.accuracy.update(step, metrics["pass@1"])
+    if run.accuracy.best_step == step:
+        ckpt.save_peak(step, run.state(), run.meta(step))
+    return fired
+
+
+def rollback(run: Run, ckpt: Checkpointer, step: int, record: dict) -> None:
+    """The cliff fired at `step`: restore the peak checkpoint's parameters, optimizer states and damping EMA,
+    then stop (`rollback_lr_scale` None) or go on with the learning rate × the scale (cumulative).
+
+    The dominance and length trackers keep their windows (they describe updates that happened); the
+    accuracy tracker keeps peak and history but clears the drop, so a new drop fires again. Training data
+    keep following the step counter: the steps between the peak and the cliff are not replayed.
+    """
+    peak_step, state, _ = ckpt.restore(run.state(), step=run.accuracy.best_step, which="peak")
+    run.load_state(state)
+    run.accuracy.rolled_back()
+    scale = run.cfg.diagnostics.rollback_lr_scale
+    if scale is None:
+        run.stopped = f"cliff at step {step}: rolled back to the peak of step {peak_step} and stopped"
+    else:
+        run.lr_scale *= scale
+    record.update({"diag/rollback": 1, "diag/rollback_from": step, "diag/rollback_to": peak_step,
+                   "diag/lr_scale": run.lr_scale})
+    then = "stopping" if scale is None else f"continuing with lr × {run.lr_scale:g}"
+    print(f"step {step}: terminal cliff (pass@1 {run.accuracy.final:.3f}, peak {run.accuracy.peak:.3f}); "
+          f"rolled back to step {peak_step}'s parameters and optimizer state; {then}", file=sys.stderr)
 
 
 def check_run_dir_config(run_dir: pathlib.Path, cfg: Config) -> None:
@@ -302,6 +356,7 @@ def train(cfg: Config) -> pathlib.Path:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     ckpt = Checkpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep)
     log = MetricsLogger(run_dir) if primary else _SilentLogger()
+    ckpt.discard_peaks_after(ckpt.latest_step())
     start = 0
     if ckpt.latest_step() is not None:
         start, state, meta = ckpt.restore(run.state())
@@ -310,11 +365,14 @@ def train(cfg: Config) -> pathlib.Path:
         print(f"resumed {run_dir} from step {start}", file=sys.stderr)
     elif cfg.eval.at_start:
         ev = run.evaluate(seed=cfg.seed)
-        run.accuracy.update(0, ev.metrics["pass@1"])
+        track_eval(run, ckpt, 0, ev.metrics)
         log.log({"step": 0, **{f"eval/{k}": v for k, v in ev.metrics.items()}})
         if primary:
             (run_dir / "eval_step0.jsonl").write_text("".join(json.dumps(t) + "\n" for t in ev.transcripts))
-    bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="train", unit="step",
+    if run.stopped:
+        print(f"{run_dir}: {run.stopped}; nothing left to train", file=sys.stderr)
+    last = start if run.stopped else cfg.steps
+    bar = tqdm(range(start + 1, last + 1), initial=start, total=cfg.steps, desc="train", unit="step",
                disable=not primary)
     for step in bar:
         record = run.train_step(step)
@@ -327,14 +385,18 @@ def train(cfg: Config) -> pathlib.Path:
         if cfg.eval.every > 0 and (step % cfg.eval.every == 0 or step == cfg.steps):
             ev = run.evaluate(seed=cfg.seed + step)
             record.update({f"eval/{k}": v for k, v in ev.metrics.items()})
-            if run.accuracy.update(step, ev.metrics["pass@1"]):
+            if track_eval(run, ckpt, step, ev.metrics):
                 record["diag/cliff"] = 1
+                if cfg.diagnostics.rollback_on_cliff:
+                    rollback(run, ckpt, step, record)
         record.update({f"diag/{k}": v for k, v in run.accuracy.summary().items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
         log.log(record)
         bar.set_postfix({"reward": f"{record['reward/mean']:.3f}", "loss": f"{record['loss']:.3f}",
                          **({"pass@1": f"{record['eval/pass@1']:.3f}"} if "eval/pass@1" in record else {})})
-        ckpt.save(step, run.state(), run.meta(step), force=step == cfg.steps)
+        ckpt.save(step, run.state(), run.meta(step), force=step == cfg.steps or run.stopped is not None)
+        if run.stopped:
+            break
         if run.nonfinite_streak >= cfg.diagnostics.max_nonfinite:
             ckpt.close()
             log.close()

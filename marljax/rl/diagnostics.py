@@ -96,6 +96,11 @@ class AccuracyTracker:
             self.cliff_events.append(step)
         return entered
 
+    def rolled_back(self) -> None:
+        """The trainer restored the peak's parameters: clear the drop (peak, history and `cliff_events`
+        stay), so the next eval at or below P − δ in the window fires again."""
+        self.drop_step = None
+
     def summary(self) -> dict[str, Any]:
         """Base/peak/final, peak − final drop, peak − base gain, drop step, cliff and collapse flags."""
         if self.n_evals == 0:

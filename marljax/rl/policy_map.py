@@ -146,3 +146,17 @@ def init_params(policy_map: PolicyMap, make_state_fn: Callable[[str], Any]) -> d
     `jax.random.fold_in(key, policy_map.sets.index(set_name))`.
     """
     return {name: make_state_fn(name) for name in policy_map.sets}
+
+
+TRANSFER_MODES = ("all", "generators")
+
+
+def transfer(roles: Sequence[str], solving_roles: Sequence[str], mode: str, *, trained: str = "sa",
+             base: str = "base") -> PolicyMap:
+    """The paper's SA→MA transfer controls: a single-agent run's set (`trained`) on every role (`all`), or on
+    the solving roles only (generator and voters, workers) with the untrained base model (`base`) on the
+    supervisory ones (evaluator, aggregator, orchestrator, synthesizer) (`generators`)."""
+    roles = _check_roles(roles)
+    if mode not in TRANSFER_MODES:
+        raise ValueError(f"transfer={mode!r}; choose one of {TRANSFER_MODES}.")
+    return PolicyMap({r: trained if mode == "all" or r in solving_roles else base for r in roles})
