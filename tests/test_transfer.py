@@ -100,7 +100,8 @@ def test_transfer_errors(single, tmp_path, capfd):
         assert e.value.code == 2
         return capfd.readouterr().err
     assert "transfer='some'; choose one of ('all', 'generators')" in error("workflow=voting", "transfer=some")
-    assert "Unknown workflow 'votes'" in error("workflow=votes", "transfer=all")
+    assert "workflow 'votes'; known: ['eval_opt', 'orch_workers', 'single', 'voting']" in error(
+        "workflow=votes", "transfer=all")
     assert "which='best'; choose one of ('newest', 'peak')" in error("which=best")
     multi = tmp_path / "multi"
     multi.mkdir()
