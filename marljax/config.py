@@ -23,6 +23,7 @@ class TaskSection:
     train_size: int | None = None  # cap on training problems (None = all)
     eval_n: int = 100  # held-out problems per evaluation
     options: dict = dataclasses.field(default_factory=dict)  # task-specific knobs (e.g. arith digits)
+    sandbox: str = "bwrap"  # code grading's isolation: bwrap (required, fails closed) | rlimits (none)
 
 
 @dataclasses.dataclass
