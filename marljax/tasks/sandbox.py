@@ -160,17 +160,18 @@ def _read_only_binds(python: Interpreter) -> list[str]:
     return args
 
 
-def _argv(mode: str, program: str, limits: Limits) -> list[str]:
+def _argv(mode: str, program: str, limits: Limits, info_fd: int | None) -> list[str]:
     python = interpreter()
     command = [python.path, "-I", "-c", _PRELUDE.format(limits=limits.rlimits())]
     if mode == "rlimits":
         return command + [program]
     tmpfs = str(limits.tmpfs_mb << 20)
     return ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-            "--new-session", *_read_only_binds(python), "--dev", "/dev", "--remount-ro", "/dev",
-            "--proc", "/proc", "--size", tmpfs, "--tmpfs", "/tmp", "--size", tmpfs, "--tmpfs", "/dev/shm",
-            "--ro-bind", program, "/tmp/main.py", "--remount-ro", "/", "--chdir", "/tmp", "--",
-            *command, "/tmp/main.py"]
+            "--new-session", "--info-fd", str(info_fd), *_read_only_binds(python),
+            "--dev", "/dev", "--remount-ro", "/dev", "--proc", "/proc",
+            "--size", tmpfs, "--tmpfs", "/tmp", "--size", tmpfs, "--tmpfs", "/dev/shm",
+            "--ro-bind", program, "/tmp/main.py", "--remount-ro", "/",  # last: the mount points exist now
+            "--chdir", "/tmp", "--", *command, "/tmp/main.py"]
 
 
 @functools.cache
@@ -315,15 +316,23 @@ def _kill_all(uid: int | None = None, pgid: int | None = None) -> None:
         time.sleep(0.001)
 
 
-def _namespace_init(proc: subprocess.Popen) -> int | None:
-    """A pidfd of bwrap's child, the init of the sandbox's pid namespace, or None when it is gone. Read
-    while bwrap has not been reaped, so the pid is still bwrap's child's."""
-    try:
-        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-            children = f.read().split()
-        return os.pidfd_open(int(children[0])) if children else None
-    except OSError:
-        return None  # exited meanwhile
+def _namespace_init(info_fd: int, deadline: float) -> int | None:
+    """A pidfd of the init of the sandbox's pid namespace, whose pid bwrap writes to `info_fd` (JSON) as
+    soon as it started it; None when bwrap failed first. Opened at once: bwrap exits without reaping its
+    init (which then tears the namespace down on its own), so only then is the pid surely still its."""
+    data = b""
+    while select.select([info_fd], [], [], max(0.0, deadline - time.monotonic()))[0] and \
+            (chunk := os.read(info_fd, 4096)):
+        data += chunk
+        try:
+            pid = json.loads(data)["child-pid"]
+        except (ValueError, KeyError):
+            continue  # not all of it yet
+        try:
+            return os.pidfd_open(pid)
+        except OSError:
+            return None  # gone already
+    return None
 
 
 def _kill_namespace(pidfd: int) -> None:
@@ -341,22 +350,38 @@ def _kill_namespace(pidfd: int) -> None:
     os.close(pidfd)
 
 
-def _cleanup(proc: subprocess.Popen, mode: str, uid: int | None, grace_s: float) -> None:
-    """Kill what the run left, and return once it is gone: bwrap's pid namespace (every process in it),
-    the process group, and, for a root trainer, every live process of the run's uid. A program that
-    finished gets `grace_s` to exit on its own first, so bwrap reaps its child instead of leaving a zombie
-    for init."""
+def _start(mode: str, program: str, limits: Limits, deadline: float, uid: int | None,
+           **popen) -> tuple[subprocess.Popen, int | None]:
+    """Start the program; for bwrap, also a pidfd of its pid namespace's init (see `_namespace_init`)."""
+    if mode == "rlimits":
+        return subprocess.Popen(_argv(mode, program, limits, None), **popen, **_as_user(uid)), None
+    info_r, info_w = os.pipe()
+    try:
+        proc = subprocess.Popen(_argv(mode, program, limits, info_w), pass_fds=(info_w,), **popen,
+                                **_as_user(uid))
+    finally:
+        os.close(info_w)
+    try:
+        return proc, _namespace_init(info_r, deadline)
+    finally:
+        os.close(info_r)
+
+
+def _cleanup(proc: subprocess.Popen, init: int | None, uid: int | None, grace_s: float) -> None:
+    """Kill what the run left, and return once it is gone: bwrap's pid namespace (every process in it;
+    `init`: a pidfd of its init), the process group, and, for a root trainer, every live process of the
+    run's uid. A program that finished gets `grace_s` to exit on its own first (bwrap then exits with
+    the program's status)."""
     deadline = time.monotonic() + grace_s
     while not _exited(proc) and time.monotonic() < deadline:
         time.sleep(0.001)
-    init = _namespace_init(proc) if mode == "bwrap" else None
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     if init is not None:
         _kill_namespace(init)
-    if mode == "rlimits":  # before reaping the leader, so its pid (the group id) cannot be reused
+    else:  # rlimits (or a bwrap that failed early); before reaping the leader, whose pid is the group id
         _kill_all(pgid=proc.pid)
     proc.wait()
     if uid is not None:
@@ -380,14 +405,14 @@ def _run(source: str, stdin: str, limits: Limits, mode: str) -> RunResult:
         stdin_file.write(stdin.encode())
         stdin_file.seek(0)
         program = _prepare(tmpdir, source, uid)
-        proc = subprocess.Popen(_argv(mode, program, limits), stdin=stdin_file, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, cwd=tmpdir, env=_CLEAN_ENV,
-                                start_new_session=True, **_as_user(uid))
+        proc, init = _start(mode, program, limits, start + limits.timeout_s, uid, stdin=stdin_file,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmpdir, env=_CLEAN_ENV,
+                            start_new_session=True)
         out, err, timed_out, truncated = b"", b"", True, False
         try:
             out, err, timed_out, truncated = _collect(proc, start + limits.timeout_s, limits.max_output_bytes)
         finally:
-            _cleanup(proc, mode, uid, grace_s=0.0 if timed_out or truncated else 1.0)
+            _cleanup(proc, init, uid, grace_s=0.0 if timed_out or truncated else 1.0)
             proc.stdout.close()
             proc.stderr.close()
     return RunResult(returncode=proc.returncode, stdout=out.decode(errors="replace"),
