@@ -3,7 +3,8 @@
 Loop per step: rollout (batched workflow engine over the policy sets) → rewards → group advantages →
 one jitted update per mini-batch (per-role grads, diagnostics, per-set AdamW) → metrics. Evaluation
 (workflow pass@1 on held-out problems) before step 1 and every `eval.every` steps; Orbax checkpoints
-every `checkpoint.every` steps; re-running on a run_dir with a checkpoint resumes it exactly.
+every `checkpoint.every` steps; re-running on a run_dir with a checkpoint resumes it exactly, on one without
+a checkpoint starts afresh (`clear_earlier_attempt`).
 """
 from __future__ import annotations
 
