@@ -207,17 +207,22 @@ SYSTEM = {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "tmp",
 @pytest.fixture(scope="module")
 def canaries(tmp_path_factory):
     """World-readable files where a sandboxed program must see nothing: the trainer's home, the checkout,
-    beside it, the working dir, a run dir, /var/tmp, /srv, /opt, /mnt, /etc, /home. Removed afterwards."""
+    beside it, the working dir, a run dir, /var/tmp, /srv, /opt, /mnt, /etc, /home (those a non-root
+    trainer may write to). Removed afterwards."""
     token = secrets.token_hex(4)
     dirs = [pathlib.Path.home(), REPO, REPO.parent, pathlib.Path.cwd(), tmp_path_factory.mktemp("run_dir"),
             *map(pathlib.Path, ("/var/tmp", "/srv", "/opt", "/mnt", "/etc", "/home"))]
     made, files = [], []
     for d in dict.fromkeys(dirs):
-        if not d.exists():
-            d.mkdir(mode=0o755)
-            made.append(d)
         f = d / f"marljax-canary-{token}"
-        f.write_text("secret\n")
+        try:
+            if not d.exists():
+                d.mkdir(mode=0o755)
+                made.append(d)
+            f.write_text("secret\n")
+        except PermissionError:
+            assert not ROOT, f"cannot write {f} as root"
+            continue
         f.chmod(0o644)
         files.append(f)
     yield [str(f) for f in files]
