@@ -29,11 +29,12 @@ def programs_per_s(mode: str, n: int, parallel: bool) -> float:
     return n / elapsed
 
 
-def graded_code_per_s(n: int) -> float:
+def graded_code_per_s(n: int, mode: str) -> float:
     response = f"```python\n{PROGRAM}\n```"
     tests = [{"input": "2 3\n", "output": "5"}, {"input": "-1 1\n", "output": "0"}]
     start = time.perf_counter()
-    assert list(sandbox.executor().map(lambda _: grade_code(response, tests), range(n))) == [1.0] * n
+    grades = sandbox.executor().map(lambda _: grade_code(response, tests, sandbox=mode), range(n))
+    assert list(grades) == [1.0] * n
     return n / (time.perf_counter() - start)
 
 
@@ -62,7 +63,7 @@ def main():
         for parallel, how in ((False, "one at a time"), (True, f"pool of {os.cpu_count()}")):
             rows.append((f"sandbox `{mode}`, {how}", f"{programs_per_s(mode, n, parallel):.1f} programs/s"))
     rows.append((f"`grade_code`, 2 stdin tests, pool ({sandbox.isolation_mode()})",
-                 f"{graded_code_per_s(n // 2):.1f} responses/s"))
+                 f"{graded_code_per_s(n // 2, sandbox.isolation_mode()):.1f} responses/s"))
     identical, fraction = "x \\boxed{{{g}}}", "x \\boxed{{\\frac{{{g2}}}{{2}}}}"
     rows.append(("`grade`, identical answer (`\\boxed{72}` vs 72)", f"{grades_per_s(g, identical):.0f} grades/s"))
     rows.append(("`grade` via math-verify (`\\boxed{\\frac{144}{2}}` vs 72), main thread",

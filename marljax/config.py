@@ -35,6 +35,7 @@ class TaskSection:
     train_size: int | None = None  # cap on training problems (None = all)
     eval_n: int | None = None  # held-out problems per evaluation (None = all, the paper's)
     options: dict = dataclasses.field(default_factory=dict)  # task-specific knobs (e.g. arith digits)
+    sandbox: str = "bwrap"  # code grading's isolation: bwrap (required, fails closed) | rlimits (none)
 
 
 @dataclasses.dataclass

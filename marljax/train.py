@@ -7,9 +7,10 @@ The first lines printed (stderr) name the base and every key that departs from t
 Loop per step: rollout (batched workflow engine over the policy sets) → rewards → group advantages →
 one jitted update per mini-batch (per-role grads, diagnostics, per-set AdamW) → metrics. Evaluation
 (workflow pass@1 on held-out problems) before step 1 and every `eval.every` steps; Orbax checkpoints
-every `checkpoint.every` steps; re-running on a run_dir with a checkpoint resumes it exactly. The state of
-the best eval so far is kept apart (RUN_DIR/peak); with `diagnostics.rollback_on_cliff` the trainer
-restores it when the terminal-cliff detector fires, then stops or continues at a scaled learning rate.
+every `checkpoint.every` steps; re-running on a run_dir with a checkpoint resumes it exactly, on one without
+a checkpoint starts afresh (`clear_earlier_attempt`). The state of the best eval so far is kept apart
+(RUN_DIR/peak); with `diagnostics.rollback_on_cliff` the trainer restores it when the terminal-cliff
+detector fires, then stops or continues at a scaled learning rate.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import shutil
 import sys
 import time
 
@@ -43,6 +45,8 @@ from marljax.rl.losses import LossConfig
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, train_batch
 from marljax.sampling import SamplingParams, bucket, generate, layer_weights
 from marljax.tasks.data import load_task
+from marljax.tasks.sandbox import MODES as SANDBOX_MODES
+from marljax.tasks.sandbox import require as require_sandbox
 from marljax.workflows import Sample as WorkflowSample
 from marljax.workflows import get_workflow, rollout
 from marljax.workflows.evaluation import evaluate_workflow
@@ -84,6 +88,9 @@ class Run:
         if cfg.mesh.lora not in ("sharded", "replicated"):
             raise ConfigError(f"mesh.lora={cfg.mesh.lora!r}; choose 'sharded' or 'replicated'.")
         check_rollback(cfg.diagnostics)
+        if cfg.task.sandbox not in SANDBOX_MODES:
+            raise ConfigError(f"task.sandbox={cfg.task.sandbox!r}; choose 'bwrap' (isolated, needs bubblewrap) "
+                              "or 'rlimits' (no filesystem or network isolation).")
         self.mesh = sharding.make_mesh(cfg.mesh)
         self.rules = sharding.get_rules(cfg.mesh, self.mesh)
         self.model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed,
@@ -91,9 +98,12 @@ class Run:
         self.codec = ChatCodec(load_tokenizer(cfg.model))
         opts = dict(cfg.task.options)
         self.train_problems = load_task(cfg.task.name, path=cfg.task.path, split="train", seed=cfg.task.split_seed,
-                                        limit=cfg.task.train_size, **opts)
+                                        limit=cfg.task.train_size, sandbox=cfg.task.sandbox, **opts)
         self.eval_problems = load_task(cfg.task.name, path=cfg.task.path, split="test", seed=cfg.task.split_seed,
-                                       limit=cfg.task.eval_n, **opts)
+                                       limit=cfg.task.eval_n, sandbox=cfg.task.sandbox, **opts)
+        # Code grading fails closed here, before any rollout: bwrap must work unless rlimits is asked for.
+        code = any(p.kind == "code" for p in self.train_problems + self.eval_problems)
+        self.run_info = {"sandbox/mode": require_sandbox(cfg.task.sandbox)} if code else {}  # step-0 record
         if not self.train_problems:
             raise ConfigError(f"task {cfg.task.name!r} gave no training problems.")
         self.workflow = get_workflow(cfg.workflow.name, **workflow_options(cfg))
@@ -346,7 +356,26 @@ def check_run_dir_config(run_dir: pathlib.Path, cfg: Config) -> None:
                           "Resume with the same config, or pick a new run_dir.")
 
 
+def clear_earlier_attempt(run_dir: pathlib.Path) -> list[str]:
+    """Remove what an attempt that left no checkpoint wrote in run_dir (records, TensorBoard events, eval
+    transcripts, report), so that starting afresh never logs a step twice; returns the names removed."""
+    removed = []
+    for path in [run_dir / "metrics.jsonl", run_dir / "tb", run_dir / "report.md",
+                 *run_dir.glob("eval_step*.jsonl"), *run_dir.glob(f"{run_dir.name}_*.png")]:
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        else:
+            continue
+        removed.append(path.name)
+    return removed
+
+
 def train(cfg: Config) -> pathlib.Path:
+    if cfg.task.sandbox == "rlimits":
+        print("task.sandbox=rlimits: model-written code runs with rlimits and a process group only, NO "
+              "filesystem or network isolation", file=sys.stderr)
     run_dir = pathlib.Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     check_run_dir_config(run_dir, cfg)
@@ -355,6 +384,9 @@ def train(cfg: Config) -> pathlib.Path:
     if primary:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     ckpt = Checkpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep)
+    if primary and ckpt.latest_step() is None and (removed := clear_earlier_attempt(run_dir)):
+        print(f"{run_dir} has no checkpoint: starting afresh, removed what an earlier attempt left "
+              f"({', '.join(removed)})", file=sys.stderr)
     log = MetricsLogger(run_dir) if primary else _SilentLogger()
     ckpt.discard_peaks_after(ckpt.latest_step())
     start = 0
@@ -366,9 +398,11 @@ def train(cfg: Config) -> pathlib.Path:
     elif cfg.eval.at_start:
         ev = run.evaluate(seed=cfg.seed)
         track_eval(run, ckpt, 0, ev.metrics)
-        log.log({"step": 0, **{f"eval/{k}": v for k, v in ev.metrics.items()}})
+        log.log({"step": 0, **run.run_info, **{f"eval/{k}": v for k, v in ev.metrics.items()}})
         if primary:
             (run_dir / "eval_step0.jsonl").write_text("".join(json.dumps(t) + "\n" for t in ev.transcripts))
+    elif run.run_info:
+        log.log({"step": 0, **run.run_info})
     if run.stopped:
         print(f"{run_dir}: {run.stopped}; nothing left to train", file=sys.stderr)
     last = start if run.stopped else cfg.steps

