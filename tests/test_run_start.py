@@ -73,7 +73,11 @@ def test_code_task_fails_closed_without_bwrap_unless_rlimits_is_asked_for(tmp_pa
     capsys.readouterr()
     run_dir = tmp_path / "unisolated"
     train_main([*CODE_RUN, f"run_dir={run_dir}", "task.sandbox=rlimits"])
-    first_line = capsys.readouterr().err.splitlines()[0]
+    err = capsys.readouterr().err.splitlines()
+    header = 1 + next(i for i, line in enumerate(err) if line.startswith("differs from the paper's settings"))
+    header += sum(1 for line in err[header:] if line.startswith(("  ", "left to the paper's values")))
+    assert "  task.sandbox=rlimits" in err[:header]  # the config header names the departure ...
+    first_line = err[header]  # ... and the first line after it says what it means
     assert first_line.startswith("task.sandbox=rlimits: model-written code runs with rlimits and a process "
                                  "group only, NO filesystem or network isolation"), first_line
     assert read_metrics(run_dir)[0] == {"step": 0, "sandbox/mode": "rlimits"}
