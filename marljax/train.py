@@ -218,8 +218,9 @@ class Run:
         advantage = adv.advantage
         if jax.process_count() > 1:  # rewards can differ across hosts (test timeouts): use process 0's
             advantage = multihost_utils.broadcast_one_to_all(np.asarray(advantage))
-        samples = [Sample(str(c.role[i]), list(c.prompt_ids[i]), list(c.response_ids[i]),
-                          float(advantage[i])) for i in range(len(c.role)) if len(c.response_ids[i])]
+        samples = [Sample(str(c.role[i]), list(c.prompt_ids[i]), list(c.response_ids[i]), float(advantage[i]),
+                          sampler_logprobs=list(c.logprobs[i]))
+                   for i in range(len(c.role)) if len(c.response_ids[i])]
         t1 = time.perf_counter()
         with sharding.use_mesh(self.mesh, self.rules):
             self.params, self.opt_states, self.ema, m = train_batch(
