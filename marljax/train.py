@@ -297,6 +297,12 @@ def _leaves(d: dict, prefix: str = ""):
             yield f"{prefix}{k}", v
 
 
+def write_eval_transcripts(run_dir: pathlib.Path, step: int, ev) -> None:
+    """`eval_step{step}.jsonl`: one episode per line (problem id, run, reward, calls); the report pairs
+    two evals' problems by them for the noise of the lift."""
+    (run_dir / f"eval_step{step}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in ev.transcripts))
+
+
 def train(cfg: Config) -> pathlib.Path:
     run_dir = pathlib.Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -318,7 +324,7 @@ def train(cfg: Config) -> pathlib.Path:
         run.accuracy.update(0, ev.metrics["pass@1"])
         log.log({"step": 0, **{f"eval/{k}": v for k, v in ev.metrics.items()}})
         if primary:
-            (run_dir / "eval_step0.jsonl").write_text("".join(json.dumps(t) + "\n" for t in ev.transcripts))
+            write_eval_transcripts(run_dir, 0, ev)
     bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="train", unit="step",
                disable=not primary)
     for step in bar:
@@ -331,6 +337,8 @@ def train(cfg: Config) -> pathlib.Path:
                   f"({run.nonfinite_streak} in a row)", file=sys.stderr)
         if cfg.eval.every > 0 and (step % cfg.eval.every == 0 or step == cfg.steps):
             ev = run.evaluate(seed=cfg.seed + step)
+            if primary:
+                write_eval_transcripts(run_dir, step, ev)
             record.update({f"eval/{k}": v for k, v in ev.metrics.items()})
             if run.accuracy.update(step, ev.metrics["pass@1"]):
                 record["diag/cliff"] = 1
@@ -383,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
     from marljax.report import summarize
     s = summarize(report.parent) if sharding.is_primary() else {}
     if "final" in s:
-        noise = f" ± {s['noise']:.3f} (1 s.e. of the difference)" if "noise" in s else ""
+        noise = f" ± {s['noise']:.3f} ({s['noise_kind']})" if "noise" in s else ""
         print(f"held-out pass@1: base {s['base']:.3f} → final {s['final']:.3f}, "
               f"Δ {s['final'] - s['base']:+.3f}{noise}")
     print(f"report: {report}")
