@@ -68,7 +68,7 @@ def summarize(run_dir: str | pathlib.Path) -> dict[str, Any]:
     return out
 
 
-PAIRED, UNPAIRED = "1 s.e. of the paired difference", "1 s.e., unpaired binomial: no eval transcripts"
+PAIRED, UNPAIRED = "1 s.e. of the paired difference", "1 s.e., unpaired binomial: no paired eval transcripts"
 
 
 def _lift_noise(run_dir: pathlib.Path, base_step: int, final_step: int, base: float, final: float,
