@@ -88,3 +88,16 @@ def test_mesh_choice_replicates_small_bases_and_shards_large_ones():
     assert matrix.choose_mesh(PRESETS["qwen3-0.6b"], matrix.ACCELERATORS["v5e-8"]) == (8, 1, 1)
     assert matrix.choose_mesh(PRESETS["qwen3-4b"], matrix.ACCELERATORS["v5e-8"]) == (2, 4, 1)
     assert matrix.choose_mesh(PRESETS["qwen3-4b"], matrix.ACCELERATORS["h200"]) == (8, 1, 1)
+
+
+def test_cpu_accelerator_is_the_measured_roof():
+    """The `cpu` row's rates are what `bench/roofline.py` measured and published (docs/benchmarks.md,
+    "CPU roof"), not a hand-set constant: re-measuring means updating both."""
+    import pathlib
+    import re
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
+    section = doc[doc.index("\n## CPU roof\n"):]
+    gflops, gbs = (float(x) for x in re.findall(r"median \*\*([\d.]+)\*\*", section)[:2])
+    memory = float(re.search(r"memory size: ([\d.]+) GB", section).group(1))
+    cpu = matrix.ACCELERATORS["cpu"]
+    assert (cpu.tflops * 1e3, cpu.hbm_gbs, cpu.hbm_gb) == pytest.approx((gflops, gbs, memory))
