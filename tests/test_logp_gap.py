@@ -15,7 +15,7 @@ from marljax.sampling import SamplingParams, generate, layer_weights
 
 LORA = LoRAConfig(rank=4, alpha=8, layers=1)
 T = 0.7  # sampling temperature = the trainer's logprob_temperature
-BOUND = 1e-4  # observed: ≤ 3e-6 (float32; sampler and trainer sum the same terms in different orders)
+BOUND = 1e-4  # observed max 1.9e-6, mean ≤ 3.2e-7 (float32; the two paths sum in different orders)
 PROMPTS = [[5, 6, 7], list(range(10, 41)), [9], [3, 1, 4, 1, 5, 9, 2, 6], [100, 2000, 30000, 7, 8]]
 
 
