@@ -3,8 +3,10 @@
      decode step reads every weight once plus the whole KV cache buffer (our attention reads all of its
      columns), so roofline tok/s = batch × HBM bandwidth / (weight bytes + cache bytes);
   2. train-step MFU of `Trainer.update` with the paper's LoRA (rank 64, all linear layers) and with full
-     fine-tuning. Model FLOPs per token: LoRA 4·N + 6·N_lora (forward, backward to the activations, no
-     base weight gradient), full 6·N; plus attention 4·L·H·Dh·T per token ×3; N = matmul weights.
+     fine-tuning. Model FLOPs (`bench/flops.py train_flops`, counted before anything runs): real tokens
+     only (not the padding), causal attention (i + 1 keys for position i), the output head only on
+     response tokens; layer matmuls ×2 for LoRA (forward, backward to the activations, no base weight
+     gradient) + 6·N_lora, ×3 for full fine-tuning; attention ×3.
 Writes the "## GPU (Qwen3-0.6B shape, bf16)" section of docs/benchmarks.md.
 
     python bench/gpu.py [--peak-tflops 989 --hbm-gbs 3350] [--no-write]
@@ -17,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import math
 import platform
 import statistics
 import time
@@ -27,16 +28,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from marljax.models.decoder import LINEAR_AXES, Decoder
+from marljax.models.decoder import Decoder
 from marljax.models.presets import PRESETS
 from marljax.rl.lora import LoRAConfig, init_lora
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack
 from marljax.sampling import SamplingParams, bucket, generate
 from benchdoc import publish  # bench/ is on sys.path when a script here runs
+from flops import train_flops
 
 TITLE = "## GPU (Qwen3-0.6B shape, bf16)"
 # device name fragment -> (dense bf16 TFLOP/s, HBM GB/s)
 PEAKS = {"H200": (989, 4800), "H100": (989, 3350), "A100": (312, 2039), "L4": (121, 300)}
+LORA = LoRAConfig(rank=64, alpha=32)  # the paper's adapter, on all linear layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,21 +85,26 @@ def decode(model, cfg, plan: Plan, hbm_gbs: float | None, repeats: int, lora=Non
     return rows
 
 
-def matmul_params(cfg) -> int:
-    per_layer = sum(math.prod(cfg.linear_shape(n)[0]) * math.prod(cfg.linear_shape(n)[1]) for n in LINEAR_AXES)
-    return cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size
+def train_step_flops(cfg, plan: Plan, lora: bool) -> tuple[int, int]:
+    """(model FLOPs, real tokens) of one step on the plan's rows (`bench/flops.py`)."""
+    rows = plan.train_rows
+    flops = train_flops(cfg, [plan.train_prompt] * rows, [plan.train_response] * rows,
+                        lora_rank=LORA.rank if lora else None)
+    return flops, rows * (plan.train_prompt + plan.train_response)
 
 
-def train_mfu(model, cfg, plan: Plan, peak_tflops: float | None, repeats: int, lora: bool) -> dict:
+def train_mfu(model, cfg, plan: Plan, peak_tflops: float | None, repeats: int, lora: bool,
+              count: tuple[int, int]) -> dict:
+    """Time `Trainer.update`; `count`: its (model FLOPs, real tokens) from `train_step_flops`."""
+    flops, tokens = count
     rng = np.random.default_rng(0)
     samples = [Sample("generator", list(rng.integers(1, cfg.vocab_size, plan.train_prompt)),
                       list(rng.integers(1, cfg.vocab_size, plan.train_response)), float(rng.normal()))
                for _ in range(plan.train_rows)]
     batch = {"generator": pack(samples)}
-    lcfg = LoRAConfig(rank=64, alpha=32)
-    step = StepConfig(route=(("generator", "g"),), lora_scale=lcfg.scale if lora else None, minibatch="balanced")
+    step = StepConfig(route=(("generator", "g"),), lora_scale=LORA.scale if lora else None, minibatch="balanced")
     opt = make_optimizer()
-    params = {"g": init_lora(cfg, lcfg, jax.random.key(0), jnp.float32) if lora
+    params = {"g": init_lora(cfg, LORA, jax.random.key(0), jnp.float32) if lora
               else jax.tree.map(jnp.array, nnx.state(model, nnx.Param))}
     state = {"params": params, "opt": {"g": opt.init(params["g"])}}
     trainer = Trainer(model, step, opt)
@@ -107,13 +115,6 @@ def train_mfu(model, cfg, plan: Plan, peak_tflops: float | None, repeats: int, l
         jax.block_until_ready(m)
 
     seconds = timed(one, repeats)
-    n, t = batch["generator"].tokens_nt.shape
-    tokens = n * t
-    attention = 3 * 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * t
-    n_lora = sum(cfg.num_layers * lcfg.rank * (math.prod(i) + math.prod(o))
-                 for i, o in (cfg.linear_shape(k) for k in LINEAR_AXES))
-    per_token = (4 * matmul_params(cfg) + 6 * n_lora if lora else 6 * matmul_params(cfg)) + attention
-    flops = per_token * tokens
     return {"mode": "LoRA r64" if lora else "full", "tokens": tokens, "seconds": seconds,
             "tflops": flops / seconds / 1e12,
             "mfu": flops / seconds / (peak_tflops * 1e12) if peak_tflops else None}
@@ -137,12 +138,15 @@ def main() -> None:
     if args.tiny:
         cfg = dataclasses.replace(cfg, num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4,
                                   num_kv_heads=2, head_dim=16, vocab_size=1024)
+    counts = {lora: train_step_flops(cfg, plan, lora) for lora in (True, False)}  # before any device time
+    for lora, (flops, tokens) in counts.items():
+        print(f"train step ({'LoRA r64' if lora else 'full'}): {flops / 1e12:.4f} model TFLOP over {tokens} "
+              "real tokens", flush=True)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
-    lcfg = LoRAConfig(rank=64, alpha=32)
     plain = decode(model, cfg, plan, hbm, args.repeats)
     with_lora = decode(model, cfg, dataclasses.replace(plan, batches=plan.batches[-1:]), hbm, args.repeats,
-                       lora=init_lora(cfg, lcfg, jax.random.key(1)), scale=lcfg.scale)
-    train = [train_mfu(model, cfg, plan, peak, args.repeats, lora) for lora in (True, False)]
+                       lora=init_lora(cfg, LORA, jax.random.key(1)), scale=LORA.scale)
+    train = [train_mfu(model, cfg, plan, peak, args.repeats, lora, counts[lora]) for lora in (True, False)]
 
     fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
     dec_rows = "\n".join(
@@ -162,7 +166,8 @@ def main() -> None:
         f"Decode ({plan.prompt}-token prompts, {plan.new} greedy tokens, prefill timed separately):\n\n"
         f"| batch | tok/s | HBM roofline tok/s | of roofline | prefill |\n|---|---|---|---|---|\n{dec_rows}\n\n"
         f"Train step (`Trainer.update`, {plan.train_rows} rows of {plan.train_prompt} + "
-        f"{plan.train_response} tokens, padded):\n\n"
+        f"{plan.train_response} tokens; model FLOPs of the real tokens, causal attention, head on the response "
+        "tokens, as `bench/flops.py` counts them):\n\n"
         f"| mode | tokens | step | model TFLOP/s | MFU |\n|---|---|---|---|---|\n{train_rows}\n")
     publish(section, not args.no_write)
 

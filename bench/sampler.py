@@ -2,8 +2,12 @@
 
 64-token prompts, 64 new tokens (no early stop), batch 1, 16 and 64. The two engines alternate run by
 run (the machine drifts ±30%); each figure is the median of `--repeats` runs. Prefill is timed as a
-1-new-token generation, decode as the rest. The roof is this machine's XLA fp32 matmul rate, measured
-in the same run; FLOPs per token ≈ 2 × (parameters used per token) + attention.
+1-new-token generation, decode as the rest. Compile time is excluded (each shape runs once before the
+timed runs); the first calls' excess over the medians is printed as the compile time. The roof is
+this machine's XLA fp32 matmul rate, measured in the same run; FLOPs are `bench/flops.py`'s model
+FLOPs: prefill = every prompt token through the layers (causal attention) and the head on the last
+prompt position only (where the sampler computes logits); decode = each new token's layers, attention
+over its context and head.
 
     python bench/sampler.py [--batches 1 16 64] [--repeats 3] [--write]
 """
@@ -22,21 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from marljax.models import load_model
+from flops import decode_flops, prefill_flops
 from roofline import matmul_gflops
 from marljax.models.loading import smollm2_gguf_path
 from marljax.sampling import SamplingParams, generate, layer_weights
 
 PROMPT, NEW = 64, 64
-
-
-def flops_per_token(cfg, context: int) -> float:
-    per_layer = 0
-    for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
-        i, o = cfg.linear_shape(name)
-        per_layer += int(np.prod(i)) * int(np.prod(o))
-    dense = cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size
-    attn = cfg.num_layers * 2 * cfg.num_heads * cfg.head_dim * context
-    return 2.0 * (dense + attn)
 
 
 def run_ours(model, prompts, new):
@@ -81,17 +76,20 @@ def main():
              f"XLA fp32 matmul roof measured in the same run: {roof:.1f} GFLOP/s. {PROMPT}-token random prompts, "
              f"{NEW} new tokens (no early stop), greedy; marljax and HF `generate` alternate run by run; medians. "
              "marljax samples from per-layer weights made once (`layer_weights`, as the trainer does once per "
-             "sampling call); HF holds per-layer tensors anyway. Prefill = a 1-token generation; decode = the rest. % of roof = achieved FLOP/s (2 × parameters "
-             "used + attention, per token) over the measured matmul rate.", "",
+             "sampling call); HF holds per-layer tensors anyway. Prefill = a 1-token generation; decode = the rest. "
+             "% of roof = model FLOP/s (`bench/flops.py`: causal attention; the head on the last prompt position "
+             "in prefill, on every new token in decode) over the measured matmul rate. Compile time is excluded "
+             "(every shape runs once first); its column is each engine's first calls' excess over the medians (for HF, "
+             "which compiles nothing, warm-up only).", "",
              "| batch | engine | prefill tok/s | decode tok/s | end-to-end new tok/s | decode % of roof | "
-             "prefill % of roof |", "|---|---|---|---|---|---|---|"]
+             "prefill % of roof | compile s (excluded) |", "|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     rng = np.random.default_rng(0)
     ratios = {}
     for b in args.batches:
         prompts = rng.integers(100, cfg.vocab_size - 100, (b, PROMPT)).tolist()
-        for fn, m in ((run_ours, ours), (run_hf, hf)):  # warm-up / compile
-            fn(m, prompts, 1), fn(m, prompts, NEW)
+        first = {name: (fn(m, prompts, 1), fn(m, prompts, NEW))  # warm-up: compiles, not in the medians
+                 for name, fn, m in (("marljax", run_ours, ours), ("hf", run_hf, hf))}
         times = {"marljax": {"pre": [], "full": []}, "hf": {"pre": [], "full": []}}
         for _ in range(args.repeats):
             for name, fn, m in (("marljax", run_ours, ours), ("hf", run_hf, hf)):
@@ -104,10 +102,11 @@ def main():
             dec = max(full - pre, 1e-9)
             pre_tps, dec_tps = b * PROMPT / pre, b * (NEW - 1) / dec
             e2e[name] = b * NEW / full
-            dec_frac = dec_tps * flops_per_token(cfg, PROMPT + NEW // 2) / 1e9 / roof
-            pre_frac = pre_tps * flops_per_token(cfg, PROMPT // 2) / 1e9 / roof
+            dec_frac = decode_flops(cfg, PROMPT, NEW, b) / dec / 1e9 / roof
+            pre_frac = prefill_flops(cfg, [PROMPT] * b) / pre / 1e9 / roof
+            compile_s = (first[name][0] - pre) + (first[name][1] - full)
             lines.append(f"| {b} | {name} | {pre_tps:.0f} | {dec_tps:.1f} | {e2e[name]:.1f} | "
-                         f"{100 * dec_frac:.0f}% | {100 * pre_frac:.0f}% |")
+                         f"{100 * dec_frac:.0f}% | {100 * pre_frac:.0f}% | {compile_s:.1f} |")
             print(lines[-1], flush=True)
         ratios[b] = e2e["marljax"] / e2e["hf"]
     lines += ["", "marljax / HF end-to-end: " + ", ".join(f"**{r:.2f}× at batch {b}**" for b, r in ratios.items())

@@ -5,8 +5,8 @@ with remat `dots`) on the thread that runs it. glibc serves a request that large
 thread's own arena cannot hold it, whatever `M_MMAP_MAX` says) and unmaps it on free, so every step faults
 the buffer in again: 705k minor faults and seconds of kernel time per step. One arena, no `mmap` and no
 trimming make the heap keep it: no faults. The price: the process keeps its peak heap, and since XLA frees
-a temp buffer in the background, back-to-back calls can leave several copies in it (three for
-back-to-back `dots` steps; one when rollouts separate the steps). Measurements: docs/benchmarks.md.
+a temp buffer in the background, back-to-back calls can leave several copies in it (fewer when rollouts
+separate the steps; `bench/peak_rss.py` measures a command's peak). Measurements: docs/benchmarks.md.
 
 `retain()` must run before jax is imported (jaxlib's threads pick their arena at their first `malloc`),
 so importing marljax calls it. `MARLJAX_HOST_MALLOC`: `auto` (default) keeps memory unless a TPU or GPU

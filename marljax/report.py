@@ -4,8 +4,12 @@ Per run: accuracy vs step (base line, peak, final, cliff marker), per-role gradi
 per-role output length and parse-failure rate, optimizer steps per set. For several runs, a paper-style
 table: cell, base, peak (step), final, Δ vs base ± its noise, Δ vs the single-agent run of the same task and
 model when one is among the runs, cliff, dominant role. Every number in the table comes from metrics.jsonl
-through `summarize`. The noise is one binomial standard error of final − base, from the number of graded
-episodes behind each eval (`eval/n_problems` × `eval/k`).
+through `summarize`. The noise is one standard error of the paired difference final − base: both evals
+run the same held-out problems, whose transcripts (`eval_step{N}.jsonl`) give per problem its mean reward
+over the eval's k runs (the k answers of a problem are one cluster); with d_i = final_i − base_i over the n
+problems, s.e. = std(d, ddof=1) / √n. Without both transcripts it falls back to the unpaired binomial
+s.e. of two independent evals (√(p₀(1−p₀)/N₀ + p₁(1−p₁)/N₁), N = `eval/n_problems` × `eval/k` episodes),
+labelled as such.
 
 Checkpoint re-evaluations (`python -m marljax.evaluate checkpoint=RUN_DIR`, e.g. `which=peak`, or a
 single-agent run's SA→MA `transfer=`) are read from RUN_DIR/evals/*.json: the table then gains an
@@ -19,6 +23,7 @@ import math
 import pathlib
 from typing import Any
 
+import numpy as np
 import yaml
 
 from marljax.metrics import read_metrics
@@ -57,9 +62,7 @@ def summarize(run_dir: str | pathlib.Path) -> dict[str, Any]:
         s = detect_cliff(steps, acc, total_steps=total, cfg=cliff_cfg)
         out.update(base=s["base"], peak=s["peak"], peak_step=s["best_step"], final=s["final"],
                    delta=s["final"] - s["base"], cliff=bool(s["cliff"]))
-        n = _eval_sizes(records)
-        if n[0] and n[-1]:
-            out["noise"] = math.hypot(_se(s["base"], n[0]), _se(s["final"], n[-1]))
+        out.update(_lift_noise(run_dir, steps[0], steps[-1], s["base"], s["final"], _eval_sizes(records)))
     doms = [r["diag/dominant_role"] for r in records if "diag/dominant_role" in r]
     shares = [r["diag/dominant_share"] for r in records if isinstance(r.get("diag/dominant_share"), float)
               and math.isfinite(r["diag/dominant_share"])]
@@ -67,6 +70,41 @@ def summarize(run_dir: str | pathlib.Path) -> dict[str, Any]:
         out["dominant_role"] = max(set(doms), key=doms.count)
         out["dominant_share"] = shares[-1] if shares else float("nan")
     return out
+
+
+PAIRED, UNPAIRED = "1 s.e. of the paired difference", "1 s.e., unpaired binomial: no paired eval transcripts"
+
+
+def _lift_noise(run_dir: pathlib.Path, base_step: int, final_step: int, base: float, final: float,
+                sizes: list[float]) -> dict[str, Any]:
+    """`noise` (one s.e. of final − base) and `noise_kind` (how it was computed; see the module docstring)."""
+    paired = paired_se(run_dir / f"eval_step{base_step}.jsonl", run_dir / f"eval_step{final_step}.jsonl")
+    if paired is not None:
+        return {"noise": paired, "noise_kind": PAIRED}
+    if sizes[0] and sizes[-1]:
+        return {"noise": math.hypot(_se(base, sizes[0]), _se(final, sizes[-1])), "noise_kind": UNPAIRED}
+    return {}
+
+
+def problem_means(path: pathlib.Path) -> dict[str, float]:
+    """Mean reward per problem id over the episodes (the k runs) of one eval's transcripts."""
+    rewards: dict[str, list[float]] = {}
+    for line in path.read_text().splitlines():
+        t = json.loads(line)
+        rewards.setdefault(str(t["problem_id"]), []).append(float(t["reward"]))
+    return {p: float(np.mean(r)) for p, r in rewards.items()}
+
+
+def paired_se(base_path: pathlib.Path, final_path: pathlib.Path) -> float | None:
+    """std(d, ddof=1) / √n of the per-problem differences d (problem means, final − base); None unless
+    both transcripts exist and cover the same ≥ 2 problems."""
+    if base_path == final_path or not (base_path.exists() and final_path.exists()):
+        return None
+    base, final = problem_means(base_path), problem_means(final_path)
+    if set(base) != set(final) or len(base) < 2:
+        return None
+    d = np.asarray([final[p] - base[p] for p in sorted(base)])
+    return float(np.std(d, ddof=1) / math.sqrt(len(d)))
 
 
 def _eval_sizes(records: list[dict]) -> list[float]:
@@ -209,12 +247,13 @@ def table(summaries: list[dict]) -> str:
     """Markdown table: cell, base, peak (step), final, Δ vs base ± noise, Δ vs single, [SA-transfer,] cliff,
     dominant role. The SA-transfer column appears when a summary carries transfer evals (`evals`)."""
     sa = any(e.get("transfer") for s in summaries for e in s.get("evals", []))
-    lines = ["| run | cell | base | peak (step) | final | Δ vs base (± 1 s.e.) | Δ vs single |"
+    lines = ["| run | cell | base | peak (step) | final | Δ vs base (± 1 s.e.; † unpaired) | Δ vs single |"
              + (" SA-transfer |" if sa else "") + " cliff | dominant role |",
              "|---|---|---|---|---|---|---|" + ("---|" if sa else "") + "---|---|"]
     for s in summaries:
         peak = f"{_fmt(s.get('peak'))} ({s.get('peak_step', '–')})"
-        delta = _fmt(s.get("delta")) + (f" ± {s['noise']:.3f}" if "noise" in s else "")
+        delta = _fmt(s.get("delta")) + (f" ± {s['noise']:.3f}" if "noise" in s else "") + \
+            ("†" if s.get("noise_kind") == UNPAIRED else "")
         dom = f"{s['dominant_role']} ({s['dominant_share']:.2f})" if "dominant_role" in s else "–"
         transfer = f" {_fmt(sa_transfer(s, summaries))} |" if sa else ""
         lines.append(f"| {s['run']} | {s['cell']} | {_fmt(s.get('base'))} | {peak} | {_fmt(s.get('final'))} | "

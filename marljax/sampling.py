@@ -5,8 +5,10 @@ its own positions, so a prompt's output does not depend on what else is in the b
 bucketed (`bucket_rows` for the batch, powers of two for the prompt length) so a run compiles a handful of
 times.
 
-Returned logprobs are the model's own log-probabilities of the sampled tokens at temperature 1
-(log_softmax of the raw logits), whatever temperature / top-p / top-k the tokens were drawn with.
+Returned logprobs are the log-probabilities of the sampled tokens under the tempered distribution they
+were drawn from, log_softmax(logits / temperature) (the raw logits at temperature 0), before top-p / top-k
+truncation: the distribution the trainer scores at `rl.logprob_temperature` (= the sampling temperature by
+default), so the two compare like-for-like (`role/<r>/logp_gap`).
 """
 from __future__ import annotations
 
@@ -167,8 +169,9 @@ def _sample(graphdef, state, layers, lora, tokens_bp, lengths_b, live_b, key, lo
     def pick(h_bd, step, key):
         logits_bv = model.logits(h_bd)
         tok_b = choose(logits_bv, jax.random.fold_in(key, step), temperature, top_p, top_k)
-        logit_b = jnp.take_along_axis(logits_bv, tok_b[:, None], 1)[:, 0]
-        logp_b = logit_b - jax.nn.logsumexp(logits_bv, axis=-1)
+        tempered_bv = logits_bv / temperature if temperature > 0 else logits_bv
+        logit_b = jnp.take_along_axis(tempered_bv, tok_b[:, None], 1)[:, 0]
+        logp_b = logit_b - jax.nn.logsumexp(tempered_bv, axis=-1)
         return tok_b, logp_b
 
     if layers is None:

@@ -237,8 +237,9 @@ class Run:
         advantage = adv.advantage
         if jax.process_count() > 1:  # rewards can differ across hosts (test timeouts): use process 0's
             advantage = multihost_utils.broadcast_one_to_all(np.asarray(advantage))
-        samples = [Sample(str(c.role[i]), list(c.prompt_ids[i]), list(c.response_ids[i]),
-                          float(advantage[i])) for i in range(len(c.role)) if len(c.response_ids[i])]
+        samples = [Sample(str(c.role[i]), list(c.prompt_ids[i]), list(c.response_ids[i]), float(advantage[i]),
+                          sampler_logprobs=list(c.logprobs[i]))
+                   for i in range(len(c.role)) if len(c.response_ids[i])]
         t1 = time.perf_counter()
         lr = lr_at(cfg, step) * self.lr_scale
         with sharding.use_mesh(self.mesh, self.rules):
@@ -372,6 +373,12 @@ def clear_earlier_attempt(run_dir: pathlib.Path) -> list[str]:
     return removed
 
 
+def write_eval_transcripts(run_dir: pathlib.Path, step: int, ev) -> None:
+    """`eval_step{step}.jsonl`: one episode per line (problem id, run, reward, calls); the report pairs
+    two evals' problems by them for the noise of the lift."""
+    (run_dir / f"eval_step{step}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in ev.transcripts))
+
+
 def train(cfg: Config) -> pathlib.Path:
     if cfg.task.sandbox == "rlimits":
         print("task.sandbox=rlimits: model-written code runs with rlimits and a process group only, NO "
@@ -400,7 +407,7 @@ def train(cfg: Config) -> pathlib.Path:
         track_eval(run, ckpt, 0, ev.metrics)
         log.log({"step": 0, **run.run_info, **{f"eval/{k}": v for k, v in ev.metrics.items()}})
         if primary:
-            (run_dir / "eval_step0.jsonl").write_text("".join(json.dumps(t) + "\n" for t in ev.transcripts))
+            write_eval_transcripts(run_dir, 0, ev)
     elif run.run_info:
         log.log({"step": 0, **run.run_info})
     if run.stopped:
@@ -418,6 +425,8 @@ def train(cfg: Config) -> pathlib.Path:
                   f"({run.nonfinite_streak} in a row)", file=sys.stderr)
         if cfg.eval.every > 0 and (step % cfg.eval.every == 0 or step == cfg.steps):
             ev = run.evaluate(seed=cfg.seed + step)
+            if primary:
+                write_eval_transcripts(run_dir, step, ev)
             record.update({f"eval/{k}": v for k, v in ev.metrics.items()})
             if track_eval(run, ckpt, step, ev.metrics):
                 record["diag/cliff"] = 1
@@ -481,7 +490,7 @@ def main(argv: list[str] | None = None) -> None:
     from marljax.report import summarize
     s = summarize(report.parent) if sharding.is_primary() else {}
     if "final" in s:
-        noise = f" ± {s['noise']:.3f} (1 s.e. of the difference)" if "noise" in s else ""
+        noise = f" ± {s['noise']:.3f} ({s['noise_kind']})" if "noise" in s else ""
         print(f"held-out pass@1: base {s['base']:.3f} → final {s['final']:.3f}, "
               f"Δ {s['final'] - s['base']:+.3f}{noise}")
     print(f"report: {report}")

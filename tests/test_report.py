@@ -1,9 +1,11 @@
 """The report's table equals what a synthetic metrics.jsonl with a known peak, final and cliff implies."""
 import json
 
+import numpy as np
+import pytest
 import yaml
 
-from marljax.report import summarize, table, write_report
+from marljax.report import PAIRED, UNPAIRED, summarize, table, write_report
 
 
 def _run(tmp_path, name, accs, policy="shared", steps=10, workflow="voting", n_problems=None):
@@ -38,12 +40,13 @@ def test_table_numbers_come_from_metrics(tmp_path):
     assert s["dominant_role"] == "generator" and s["cell"] == "voting/arith/tiny-qwen3/shared"
     t = summarize(steady)
     assert (t["peak"], t["peak_step"], t["final"], t["cliff"]) == (0.50, 10, 0.50, False)
-    noise = (0.3 * 0.7 / 100 + 0.5 * 0.5 / 100) ** 0.5  # 50 problems x k=2 at both evals
-    assert abs(t["noise"] - noise) < 1e-12 and "noise" not in s  # no episode counts logged: no noise
+    noise = (0.3 * 0.7 / 100 + 0.5 * 0.5 / 100) ** 0.5  # no transcripts: unpaired, 50 problems x k=2 per eval
+    assert abs(t["noise"] - noise) < 1e-12 and t["noise_kind"] == UNPAIRED
+    assert "noise" not in s  # neither transcripts nor episode counts: no noise
     md = table([s, t, summarize(single)])
     assert ("| cliff | voting/arith/tiny-qwen3/shared | 0.300 | 0.600 (6) | 0.350 | 0.050 | -0.070 | yes | "
             "generator (0.75) |") in md
-    assert (f"| steady | voting/arith/tiny-qwen3/isolated | 0.300 | 0.500 (10) | 0.500 | 0.200 ± {noise:.3f} | "
+    assert (f"| steady | voting/arith/tiny-qwen3/isolated | 0.300 | 0.500 (10) | 0.500 | 0.200 ± {noise:.3f}† | "
             "0.080 | no |") in md
     assert "| single | single/arith/tiny-qwen3/shared | 0.200 | 0.420 (10) | 0.420 | 0.220 | – | no |" in md
     report = write_report([cliff, steady, single], tmp_path / "out")
@@ -53,3 +56,31 @@ def test_table_numbers_come_from_metrics(tmp_path):
         for kind in ("accuracy", "gradients", "roles"):
             png = tmp_path / "out" / f"{name}_{kind}.png"
             assert png.exists() and png.stat().st_size > 10_000
+
+
+def _transcripts(path, rewards_pk, order):
+    """One line per episode, in `order` of (problem, run), as `Rollout.transcripts` writes them."""
+    path.write_text("".join(json.dumps({"problem_id": f"p{p}", "rollout": r, "reward": float(rewards_pk[p, r]),
+                                        "episode": i, "calls": []}) + "\n" for i, (p, r) in enumerate(order)))
+
+
+def test_noise_is_the_paired_standard_error_over_problem_clusters(tmp_path):
+    """d_i = final − base of problem i's mean over its k = 3 runs; s.e. = std(d, ddof=1) / √n (numpy).
+    Treating the 3 answers as independent, or the evals as unpaired, gives other numbers."""
+    rng = np.random.default_rng(0)
+    n, k = 12, 3
+    base_pk = (rng.random((n, k)) < 0.3).astype(float)
+    final_pk = np.clip(base_pk + (rng.random((n, k)) < 0.3), 0, 1)
+    run = _run(tmp_path, "paired", {0: base_pk.mean(), 10: final_pk.mean()}, n_problems=n)
+    order = [(p, r) for p in range(n) for r in range(k)]
+    _transcripts(run / "eval_step0.jsonl", base_pk, order)
+    _transcripts(run / "eval_step10.jsonl", final_pk, order[::-1])  # pairing is by problem id, not line
+    d = final_pk.mean(axis=1) - base_pk.mean(axis=1)
+    expected = d.std(ddof=1) / np.sqrt(n)
+    s = summarize(run)
+    assert s["noise_kind"] == PAIRED and s["noise"] == pytest.approx(expected, rel=1e-12)
+    unclustered = (final_pk - base_pk).ravel()
+    assert abs(expected - unclustered.std(ddof=1) / np.sqrt(n * k)) > 1e-3
+    assert f"{s['delta']:.3f} ± {expected:.3f} |" in table([s])
+    (run / "eval_step10.jsonl").unlink()
+    assert summarize(run)["noise_kind"] == UNPAIRED  # a missing transcript: the labelled fallback

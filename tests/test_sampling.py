@@ -28,16 +28,20 @@ def model():
 PROMPTS = [[5, 6, 7], list(range(10, 45)), [9], [3, 1, 4, 1, 5, 9, 2, 6]]
 
 
-def _teacher_forced_logprobs(model, prompt, generated):
-    logp = jax.nn.log_softmax(model(jnp.asarray([prompt + generated]))[0], axis=-1)
+def _teacher_forced_logprobs(model, prompt, generated, temperature=1.0):
+    logits = np.asarray(model(jnp.asarray([prompt + generated]))[0], np.float64) / temperature
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
     return np.array([logp[len(prompt) - 1 + i, t] for i, t in enumerate(generated)])
 
 
-def test_logprobs_equal_teacher_forced_pass(model):
-    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=12, temperature=1.0, seed=1))
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_teacher_forced_pass(model, temperature):
+    """Logprobs are those of the tempered distribution the tokens were drawn from (float64 reference)."""
+    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=12, temperature=temperature, seed=1))
     for p, toks, lps in zip(PROMPTS, out.tokens, out.logprobs):
         assert len(toks) == len(lps) == 12
-        np.testing.assert_allclose(lps, _teacher_forced_logprobs(model, p, toks), atol=1e-4)
+        np.testing.assert_allclose(lps, _teacher_forced_logprobs(model, p, toks, temperature), atol=1e-4)
 
 
 def test_greedy_output_independent_of_batch(model):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import yaml
 
@@ -60,10 +61,20 @@ def test_train_prints_the_held_out_change_and_its_noise(tmp_path, capsys):
     train_main([*TINY, "workflow=single", "steps=1", f"run_dir={run_dir}", "eval.every=1", "task.eval_n=4"])
     *_, change, report = capsys.readouterr().out.strip().splitlines()
     base, final = (r["eval/pass@1"] for r in _records(run_dir))
-    noise = (base * (1 - base) / 4 + final * (1 - final) / 4) ** 0.5
+    per_problem = []
+    for step in (0, 1):  # every eval writes its transcripts; the noise pairs them by problem
+        rewards = {}
+        for line in (run_dir / f"eval_step{step}.jsonl").read_text().splitlines():
+            t = json.loads(line)
+            rewards.setdefault(t["problem_id"], []).append(t["reward"])
+        assert len(rewards) == 4 and np.mean([r for v in rewards.values() for r in v]) == pytest.approx(
+            [base, final][step])
+        per_problem.append({p: np.mean(v) for p, v in rewards.items()})
+    d = np.array([per_problem[1][p] - per_problem[0][p] for p in sorted(per_problem[0])])
+    noise = d.std(ddof=1) / np.sqrt(len(d))
     assert report == f"report: {run_dir / 'report.md'}"
     assert change.startswith(f"held-out pass@1: base {base:.3f} → final {final:.3f}, Δ {final - base:+.3f}")
-    assert f"± {noise:.3f} (1 s.e. of the difference)" in change, change
+    assert f"± {noise:.3f} (1 s.e. of the paired difference)" in change, change
 
 
 def test_resume_after_sigkill_continues_exactly(tmp_path):

@@ -8,6 +8,10 @@ For every role r the step computes its loss L_r and gradient g_r w.r.t. its own 
   d_r  coherence damping (the paper's I6): 1 − λ·clamp(cos(g_r, EMA(g_r)), 0, 1).
 Diagnostics: ‖g_r‖ (`grad_norm`), mass ‖c_r g_r‖, share = mass_r / Σ_{r' on the set} mass_r',
 pairwise cos(g_r, g_r') between roles on one set. Then clip + AdamW per set (optax).
+`logp_gap` / `logp_gap_max`: mean / max |sampler logprob − trainer logprob| over a role's response
+tokens that carry the sampler's logprob, both at the rollout's parameters (the trainer's current ones
+with one mini-batch, its pre-update `old_logp_nr` with several) and the same tempered distribution: the
+drift between how rollouts were sampled (LoRA folded into the weights) and how the trainer scores them.
 
 `Trainer.train_batch` cuts each set's samples into mini-batches — `paper`: one optimizer step per M
 samples, so a set with 3× the samples takes 3× the steps (same-role amplification), `balanced`: one
@@ -43,6 +47,8 @@ class RoleBatch(NamedTuple):
     resp_mask_nr: jax.Array  # float32 [n, R]; 1 on response tokens (all 0 on padding rows)
     adv_n: jax.Array  # float32 [n]
     old_logp_nr: jax.Array  # float32 [n, R]; used when the old policy differs from the current
+    sampler_logp_nr: jax.Array  # float32 [n, R]; the sampler's logprobs of the response (0 where absent)
+    has_sampler_n: jax.Array  # float32 [n]; 1 on rows that carry the sampler's logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +166,7 @@ class Trainer:
         seq_b, denom, metrics = sequence_losses(logp, old, batch.adv_n, batch.resp_mask_nr,
                                                 self.cfg.loss, ref, kl_b)
         loss = jnp.sum(seq_b) / jnp.maximum(denom, 1.0)
-        return loss, (denom, metrics)
+        return loss, (denom, {**metrics, **logp_gap(jax.lax.stop_gradient(old), batch)})
 
     # ---- the step ----------------------------------------------------------------------------
     def _update(self, base, params, opt_states, ema, batches: dict[str, RoleBatch], lr, *,
@@ -235,6 +241,14 @@ class Trainer:
         return new_params, new_opt, new_ema, out
 
 
+def logp_gap(trainer_logp_nr, batch: RoleBatch) -> dict[str, jax.Array]:
+    """Mean and max |sampler − trainer| logprob over the response tokens of rows that carry sampler
+    logprobs (prompt and padding positions excluded; both 0 when no row carries them)."""
+    mask_nr = batch.resp_mask_nr * batch.has_sampler_n[:, None]
+    gap_nr = jnp.abs(batch.sampler_logp_nr - trainer_logp_nr) * mask_nr
+    return {"logp_gap": jnp.sum(gap_nr) / jnp.maximum(jnp.sum(mask_nr), 1.0), "logp_gap_max": jnp.max(gap_nr)}
+
+
 # ---- host side: packing and mini-batching ---------------------------------------------------------
 @dataclasses.dataclass
 class Sample:
@@ -245,6 +259,7 @@ class Sample:
     response: list[int]
     advantage: float
     old_logprobs: list[float] | None = None
+    sampler_logprobs: list[float] | None = None  # the sampler's, per response token (for `logp_gap`)
 
 
 def length_bucket(n: int) -> int:
@@ -263,6 +278,8 @@ def pack(samples: list[Sample], *, n_bucket: int | None = None) -> RoleBatch:
     mask = np.zeros((n, R), np.float32)
     adv = np.zeros((n,), np.float32)
     old = np.zeros((n, R), np.float32)
+    sampler = np.zeros((n, R), np.float32)
+    has_sampler = np.zeros((n,), np.float32)
     for i, s in enumerate(samples):
         seq = list(s.prompt) + list(s.response)
         tokens[i, : len(seq)] = seq
@@ -271,8 +288,14 @@ def pack(samples: list[Sample], *, n_bucket: int | None = None) -> RoleBatch:
         adv[i] = s.advantage
         if s.old_logprobs is not None:
             old[i, : len(s.response)] = s.old_logprobs
+        if s.sampler_logprobs is not None:
+            if len(s.sampler_logprobs) != len(s.response):
+                raise ValueError(f"a {s.role!r} sample has {len(s.sampler_logprobs)} sampler logprobs for "
+                                 f"{len(s.response)} response tokens; give one per response token.")
+            sampler[i, : len(s.response)] = s.sampler_logprobs
+            has_sampler[i] = 1.0
     return RoleBatch(jnp.asarray(tokens), jnp.asarray(plen), jnp.asarray(mask), jnp.asarray(adv),
-                     jnp.asarray(old))
+                     jnp.asarray(old), jnp.asarray(sampler), jnp.asarray(has_sampler))
 
 
 def minibatches(samples: list[Sample], cfg: StepConfig) -> list[dict[str, list[Sample]]]:
@@ -334,7 +357,7 @@ def train_batch(trainer: Trainer, params, opt_states, ema, samples: list[Sample]
         for k, v in m.items():
             if k.startswith("set/") and k.endswith("/active"):
                 continue
-            if k.endswith("/nonfinite"):  # any non-finite mini-batch marks the step
+            if k.endswith("/nonfinite") or k.endswith("/logp_gap_max"):  # the worst mini-batch
                 sums[k] = max(sums.get(k, 0.0), float(v))
                 counts[k] = 1
                 continue
