@@ -1,10 +1,10 @@
-"""`decoder.attention` in both kv layouts against a float64 numpy attention: value and gradient."""
+"""`attention.attention` in both kv layouts against a float64 numpy attention: value and gradient."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marljax.models.decoder import ATTENTION_LAYOUTS, attention
+from marljax.models.attention import ATTENTION_LAYOUTS, attention
 
 B, T, H, K, DH = 2, 7, 6, 2, 8
 

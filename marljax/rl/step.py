@@ -27,6 +27,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from marljax.models.attention import check_attention
 from marljax.models.decoder import REMAT, Decoder
 from marljax.rl.losses import LossConfig, sequence_losses
 from marljax.sampling import bucket, bucket_rows
@@ -59,6 +60,7 @@ class StepConfig:
     minibatch: str = "paper"
     minibatch_size: int = 512
     remat: str = "full"  # decoder.REMAT: full | dots | none
+    attention: str = "auto"  # models.attention.ATTENTIONS: auto | dense | blockwise | cudnn
 
     def __post_init__(self):
         if self.role_weighting not in ROLE_WEIGHTINGS:
@@ -67,6 +69,7 @@ class StepConfig:
             raise ValueError(f"rl.minibatch={self.minibatch!r}; choose from {MINIBATCH_MODES}.")
         if self.remat not in REMAT:
             raise ValueError(f"rl.remat={self.remat!r}; choose from {sorted(REMAT)}.")
+        check_attention(self.attention)
         if not 0.0 <= self.damping_lambda <= 1.0:
             raise ValueError(f"rl.damping_lambda={self.damping_lambda} must be in [0, 1].")
 
