@@ -150,12 +150,20 @@ def _scores(q_i, k_j):
     return jnp.einsum("bkgqd,bksd->bkgqs", q_i, k_j, preferred_element_type=jnp.float32) * scale
 
 
+def _loop(n: int, body, carry):
+    """carry = body(i, carry) for i = 0 … n − 1, as a while loop. Inside a differentiated `lax.scan`
+    (the decoder's layers) JAX linearises even a custom VJP's forward pass, and a `fori_loop` (a scan)
+    would then stack every chunk pair's scores as residuals: T² memory. A while loop keeps none."""
+    return jax.lax.while_loop(lambda ic: ic[0] < n, lambda ic: (ic[0] + 1, body(*ic)),
+                              (jnp.int32(0), carry))[1]
+
+
 def _forward(q, k, v, qpos_bt, kpos_bt, c):
     """Output [B, K, G, T, Dh] and log-sum-exp [B, K, G, T] (+inf on rows that see no key)."""
     need = _needed(qpos_bt, kpos_bt, c)
     n = q.shape[3] // c
 
-    def query_chunk(i):
+    def query_chunk(i, out_lse):
         q_i = _chunk(q, i, c, 3)
 
         def visit(j, carry):
@@ -175,13 +183,14 @@ def _forward(q, k, v, qpos_bt, kpos_bt, c):
 
         init = (jnp.full(q_i.shape[:-1], -jnp.inf), jnp.zeros(q_i.shape[:-1]),
                 jnp.zeros(q_i.shape, jnp.float32))
-        m, l, acc = jax.lax.fori_loop(0, n, step, init)
-        out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-        return out.astype(q.dtype), jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
+        m, l, acc = _loop(n, step, init)
+        l_safe = jnp.where(l > 0, l, 1.0)
+        out_i = jnp.where(l[..., None] > 0, acc / l_safe[..., None], 0.0).astype(q.dtype)
+        lse_i = jnp.where(l > 0, m + jnp.log(l_safe), jnp.inf)
+        return tuple(jax.lax.dynamic_update_slice_in_dim(a, a_i, i * c, 3)
+                     for a, a_i in zip(out_lse, (out_i, lse_i)))
 
-    out, lse = jax.lax.map(query_chunk, jnp.arange(n))  # [n, B, K, G, c, ...]
-    return (jnp.moveaxis(out, 0, 3).reshape(q.shape),
-            jnp.moveaxis(lse, 0, 3).reshape(q.shape[:-1]))
+    return _loop(n, query_chunk, (jnp.zeros(q.shape, q.dtype), jnp.zeros(q.shape[:-1], jnp.float32)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -203,7 +212,8 @@ def _flash_bwd(c, res, dout):
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, K, G, T]
     scale = q.shape[-1] ** -0.5
 
-    def key_chunk(dq, j):
+    def key_chunk(j, grads):
+        dq, dk, dv = grads
         k_j, v_j = _chunk(k, j, c, 2), _chunk(v, j, c, 2)
 
         def visit(i, carry):
@@ -226,12 +236,13 @@ def _flash_bwd(c, res, dout):
             return jax.lax.cond(need[i, j], visit, lambda i, carry: carry, i, carry)
 
         zeros = jnp.zeros(k_j.shape, jnp.float32)
-        dq, dk_j, dv_j = jax.lax.fori_loop(0, n, step, (dq, zeros, zeros))
-        return dq, (dk_j.astype(k.dtype), dv_j.astype(v.dtype))
+        dq, dk_j, dv_j = _loop(n, step, (dq, zeros, zeros))
+        return (dq, jax.lax.dynamic_update_slice_in_dim(dk, dk_j.astype(k.dtype), j * c, 2),
+                jax.lax.dynamic_update_slice_in_dim(dv, dv_j.astype(v.dtype), j * c, 2))
 
-    dq, (dk, dv) = jax.lax.scan(key_chunk, jnp.zeros(q.shape, jnp.float32), jnp.arange(n))
-    chunks_to_axis = lambda x: jnp.moveaxis(x, 0, 2).reshape(k.shape)  # [n, B, K, c, Dh] → [B, K, T, Dh]
-    return dq.astype(q.dtype), chunks_to_axis(dk), chunks_to_axis(dv), None, None
+    dq, dk, dv = _loop(n, key_chunk, (jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(k),
+                                      jnp.zeros_like(v)))
+    return dq.astype(q.dtype), dk, dv, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
