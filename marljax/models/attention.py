@@ -23,8 +23,8 @@ import jax.numpy as jnp
 
 ATTENTIONS = ("auto", "dense", "blockwise", "cudnn")
 # `auto` on CPU: dense up to this length, blockwise above (measured in docs/scale_out.md).
-DENSE_MAX_LENGTH = 1024
-BLOCK = 256  # query and key chunk length of `blockwise` (measured on CPU, docs/scale_out.md)
+DENSE_MAX_LENGTH = 512
+BLOCK = 128  # query and key chunk length of `blockwise` (measured on CPU, docs/scale_out.md)
 
 
 def check_attention(name: str) -> str:
