@@ -192,10 +192,10 @@ class Decoder(nnx.Module):
         attention kernel (`auto`: by backend and T; dense for short T on CPU). With a cache
         (`init_cache`: one per layer), the T new tokens of row b are written at columns
         positions_bt[b, 0] … + T − 1 and attend every column ≤ their own position (cache column =
-        absolute position, so right-padded prompts need no extra mask). The cached path runs the layers as a Python loop over per-layer weights: a scan
-        would copy each layer's weight and cache slices out of the stacked arrays on every step.
-        Pass `layers=self.layer_list()`, made once outside a decode loop, to read those weights in
-        place.
+        absolute position, so right-padded prompts need no extra mask). The cached path runs the
+        layers as a Python loop over per-layer weights: a scan would copy each layer's weight and
+        cache slices out of the stacked arrays on every step. Pass `layers=self.layer_list()`, made
+        once outside a decode loop, to read those weights in place.
         """
         c = self.config
         B, T = tokens_bt.shape
