@@ -1,4 +1,5 @@
-"""Attention for the uncached pass (training and scoring) that never materialises T×T scores.
+"""Attention for the uncached pass (training and scoring): the dense kernel, and kernels that never
+materialise T×T scores.
 
 `causal_attention` is the one entry, chosen by `ATTENTIONS` name:
   dense      `attention` in its "train" layout over a [B, T, T] mask (the CPU's fastest at short T;
@@ -42,7 +43,7 @@ def resolve_attention(name: str, length: int, dtype, backend: str | None = None)
     if check_attention(name) != "auto":
         return name
     backend = backend or jax.default_backend()
-    if backend in ("gpu", "cuda", "rocm") and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+    if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
         return "cudnn"
     return "dense" if length <= DENSE_MAX_LENGTH else "blockwise"
 
@@ -117,8 +118,10 @@ def blockwise_attention(q_bthd, k_btkd, v_btkd, positions_bt, kv_mask_bt, block:
     K = k_btkd.shape[2]
     c = min(block, T)
     pad = -T % c
-    padded = lambda x, value=0: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2),
-                                         constant_values=value)
+
+    def padded(x, value=0):  # along T, to whole chunks
+        return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+
     # [B, K, G, T, Dh] queries and [B, K, T, Dh] keys/values: one (b, k) matmul of G·c rows per chunk
     q = padded(q_bthd).reshape(B, T + pad, K, H // K, Dh).transpose(0, 2, 3, 1, 4)
     k, v = (padded(x).transpose(0, 2, 1, 3) for x in (k_btkd, v_btkd))
