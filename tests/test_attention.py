@@ -1,5 +1,5 @@
 """Attention kernels (`marljax.models.attention`) against a float64 numpy attention and each other, value
-and gradient: the dense kernel in both kv layouts, the blockwise and cuDNN/XLA entries; `auto`'s choice, the
+and gradient: the dense kernel in both kv layouts, the blockwise, cuDNN/XLA and splash (interpret) entries; `auto`'s choice, the
 config key, the decoder's uncached pass, and the blockwise backward's memory (linear in T)."""
 import dataclasses
 
@@ -151,6 +151,23 @@ def test_cudnn_entry_matches_float64():
         np.testing.assert_allclose(g, g_ref, rtol=0, atol=1e-5, err_msg=f"d{name}")
 
 
+def test_splash_matches_float64_in_interpret_mode():
+    """`splash` (Pallas splash attention, in interpret mode off a TPU), T = 130 padded to 256, right padding
+    in row 1; rows beyond a row's keys are padding (segment 0) and not compared."""
+    T = 130
+    q, k, v, w = _inputs(T, seed=4)
+    kv_mask = np.ones((B, T), bool)
+    kv_mask[1, 100:] = False
+    w = w * kv_mask[:, :, None, None]
+    mask = np.tril(np.ones((T, T), bool))[None] & kv_mask[:, None, :]
+    out_ref, grads_ref = _reference_btkd(q, k, v, mask | ~kv_mask[:, :, None], w)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    out, grads = _run(lambda q, k, v: causal_attention(q, k, v, pos, jnp.asarray(kv_mask), "splash"), q, k, v, w)
+    np.testing.assert_allclose(np.asarray(out)[kv_mask], out_ref[kv_mask], rtol=0, atol=1e-5)
+    for name, g, g_ref in zip("qkv", grads, grads_ref):
+        np.testing.assert_allclose(g, g_ref, rtol=0, atol=1e-5, err_msg=f"d{name}")
+
+
 # ---- choosing, config, decoder --------------------------------------------------------------------
 def test_auto_is_dense_for_short_sequences_on_cpu():
     """The default run (configs/default.yaml: ≤ 32-token responses, prompts ≤ ~250 tokens, T ≤ 320) keeps
@@ -163,6 +180,7 @@ def test_auto_is_dense_for_short_sequences_on_cpu():
     assert resolve_attention("auto", DENSE_MAX_LENGTH + 1, jnp.float32, "cpu") == "blockwise"
     assert resolve_attention("auto", 4096, jnp.bfloat16, "gpu") == "cudnn"
     assert resolve_attention("auto", 4096, jnp.float32, "gpu") == "blockwise"
+    assert resolve_attention("auto", 4096, jnp.float32, "tpu") == "splash"
     assert resolve_attention("dense", 1 << 16, jnp.float32, "cpu") == "dense"
 
 

@@ -10,6 +10,7 @@ materialise T×T scores.
              pairs with no visible key are skipped (the causal upper half)
   cudnn      `jax.nn.dot_product_attention`: cuDNN flash on a GPU for bfloat16/float16, else its XLA
              implementation
+  splash     Pallas splash attention (TPU; elsewhere in Pallas interpret mode, slow: for tests)
   auto       by backend, dtype and length (`resolve_attention`)
 The mask is the decoder's: query t sees key s iff positions[s] ≤ positions[t] and kv_mask[s]. Rows
 that see no key at all give 0 (dense gives the mean of all values there: both are padding).
@@ -22,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-ATTENTIONS = ("auto", "dense", "blockwise", "cudnn")
+ATTENTIONS = ("auto", "dense", "blockwise", "cudnn", "splash")
 # `auto` on CPU: dense up to this length, blockwise above (measured in docs/scale_out.md).
 DENSE_MAX_LENGTH = 512
 BLOCK = 128  # query and key chunk length of `blockwise` (measured on CPU, docs/scale_out.md)
@@ -38,11 +39,13 @@ def check_attention(name: str) -> str:
 
 def resolve_attention(name: str, length: int, dtype, backend: str | None = None) -> str:
     """The implementation `name` runs as for sequences of `length` tokens of `dtype` on `backend`
-    (default: JAX's): `auto` takes cuDNN on a GPU for half precision, else dense up to
-    `DENSE_MAX_LENGTH` tokens and blockwise above."""
+    (default: JAX's): `auto` takes splash on a TPU, cuDNN on a GPU for half precision, else dense
+    up to `DENSE_MAX_LENGTH` tokens and blockwise above."""
     if check_attention(name) != "auto":
         return name
     backend = backend or jax.default_backend()
+    if backend == "tpu":
+        return "splash"
     if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
         return "cudnn"
     return "dense" if length <= DENSE_MAX_LENGTH else "blockwise"
@@ -50,8 +53,8 @@ def resolve_attention(name: str, length: int, dtype, backend: str | None = None)
 
 def causal_attention(q_bthd, k_btkd, v_btkd, positions_bt, kv_mask_bt, impl: str):
     """Masked grouped-query attention [B, T, H, Dh] by implementation `impl` (not `auto`: resolve it
-    first). `kv_mask_bt` (or None) marks real keys; `cudnn` reads it as right padding (a prefix of
-    ones per row) and the positions as increasing along each row."""
+    first). `kv_mask_bt` (or None) marks real keys; `cudnn` and `splash` read it as right padding
+    (a prefix of ones per row) and the positions as increasing along each row."""
     if impl == "dense":
         mask_btt = positions_bt[:, None, :] <= positions_bt[:, :, None]
         if kv_mask_bt is not None:
@@ -63,6 +66,8 @@ def causal_attention(q_bthd, k_btkd, v_btkd, positions_bt, kv_mask_bt, impl: str
         return blockwise_attention(q_bthd, k_btkd, v_btkd, positions_bt, kv_mask_bt)
     if impl == "cudnn":
         return cudnn_attention(q_bthd, k_btkd, v_btkd, kv_mask_bt)
+    if impl == "splash":
+        return splash_attention(q_bthd, k_btkd, v_btkd, kv_mask_bt)
     raise ValueError(f"attention implementation {impl!r}; choose from {ATTENTIONS[1:]} "
                      "(resolve 'auto' with resolve_attention first).")
 
@@ -109,6 +114,38 @@ def cudnn_attention(q_bthd, k_btkd, v_btkd, kv_mask_bt=None):
     lengths = None if kv_mask_bt is None else jnp.sum(kv_mask_bt, axis=1, dtype=jnp.int32)
     return jax.nn.dot_product_attention(q_bthd, k_btkd, v_btkd, is_causal=True,
                                         key_value_seq_lengths=lengths, implementation=impl)
+
+
+# ---- splash (TPU) -------------------------------------------------------------------------------
+SPLASH_BLOCK = 128  # the TPU kernel's tile; T is padded to a multiple
+
+
+def splash_attention(q_bthd, k_btkd, v_btkd, kv_mask_bt=None, *, interpret: bool | None = None):
+    """Pallas splash attention, causal by index; right padding as segment ids (padding keys are
+    segment 0, unseen by real queries). One multi-query kernel per (row, KV head) over its G query
+    heads. `interpret` (default: off a TPU) runs the kernel in Pallas' interpreter."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    B, T, H, Dh = q_bthd.shape
+    K, G = k_btkd.shape[2], H // k_btkd.shape[2]
+    pad = -T % SPLASH_BLOCK
+    Tp = T + pad
+    b = SPLASH_BLOCK
+    blocks = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                               block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+    interpret = jax.default_backend() != "tpu" if interpret is None else interpret
+    kernel = splash.make_splash_mqa_single_device(masks.MultiHeadMask([masks.CausalMask((Tp, Tp))] * G),
+                                                  block_sizes=blocks, interpret=interpret)
+    real_bt = jnp.ones((B, T), bool) if kv_mask_bt is None else kv_mask_bt
+    segment_bt = jnp.pad(real_bt, ((0, 0), (0, pad))).astype(jnp.int32)
+    along_t = ((0, 0), (0, pad), (0, 0), (0, 0))
+    q = jnp.pad(q_bthd * jnp.asarray(Dh ** -0.5, q_bthd.dtype), along_t)  # the kernel does not scale
+    q = q.reshape(B, Tp, K, G, Dh).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, Dh]
+    k, v = (jnp.pad(x, along_t).transpose(0, 2, 1, 3) for x in (k_btkd, v_btkd))  # [B, K, T, Dh]
+    per_row = jax.vmap(kernel, in_axes=(0, 0, 0, None))  # over KV heads
+    out = jax.vmap(per_row)(q, k, v, splash.SegmentIds(q=segment_bt, kv=segment_bt))
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, Tp, H, Dh)[:, :T]
 
 
 # ---- blockwise ---------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ class StepConfig:
     minibatch: str = "paper"
     minibatch_size: int = 512
     remat: str = "full"  # decoder.REMAT: full | dots | none
-    attention: str = "auto"  # models.attention.ATTENTIONS: auto | dense | blockwise | cudnn
+    attention: str = "auto"  # models.attention.ATTENTIONS: auto | dense | blockwise | cudnn | splash
 
     def __post_init__(self):
         if self.role_weighting not in ROLE_WEIGHTINGS:
