@@ -31,8 +31,9 @@ def reference(q, k, v, mask, w):
     dp = np.einsum("bthd,bshd->bhts", w, vh)
     ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / np.sqrt(DH)
     dq = np.einsum("bhts,bshd->bthd", ds, kh)
-    dk = np.einsum("bhts,bthd->bshd", ds, q).reshape(B, T, K, G, DH).sum(3)
-    dv = np.einsum("bhts,bthd->bshd", p, w).reshape(B, T, K, G, DH).sum(3)
+    S = k.shape[1]
+    dk = np.einsum("bhts,bthd->bshd", ds, q).reshape(B, S, K, G, DH).sum(3)
+    dv = np.einsum("bhts,bthd->bshd", p, w).reshape(B, S, K, G, DH).sum(3)
     return out, (dq, dk, dv)
 
 
@@ -73,16 +74,6 @@ def _inputs(T, seed=0):
     return q, k, v, w
 
 
-def _reference_btkd(q, k, v, mask, w):
-    """`reference` for any T (it reads T from the module for its head sums)."""
-    global T
-    saved, T = T, q.shape[1]
-    try:
-        return reference(q, k, v, mask, w)
-    finally:
-        T = saved
-
-
 def _run(fn, q, k, v, w):
     def loss(q, k, v):
         out = fn(q, k, v)
@@ -100,7 +91,7 @@ def test_blockwise_matches_float64_and_dense(T, block):
     kv_mask = np.ones((B, T), bool)
     kv_mask[1, T - 3:] = False
     mask = np.tril(np.ones((T, T), bool))[None] & kv_mask[:, None, :]
-    out_ref, grads_ref = _reference_btkd(q, k, v, mask, w)
+    out_ref, grads_ref = reference(q, k, v, mask, w)
     out, grads = _run(lambda q, k, v: blockwise_attention(q, k, v, pos, jnp.asarray(kv_mask), block), q, k, v, w)
     out_d, grads_d = _run(lambda q, k, v: causal_attention(q, k, v, pos, jnp.asarray(kv_mask), "dense"), q, k, v, w)
     # float32 vs float64: observed ≤ 1e-6 on values ≤ 5 (value and gradient); a wrong mask or chunk is O(1)
@@ -122,7 +113,7 @@ def test_blockwise_general_positions_and_unseeing_rows():
     mask = (pos[:, None, :] <= pos[:, :, None]) & kv_mask[:, None, :]
     seeing = mask.any(-1)  # [B, T]
     # the reference's unseeing rows see every key instead (no 0/0) with a zero cotangent: they add nothing
-    out_ref, grads_ref = _reference_btkd(q, k, v, mask | ~seeing[:, :, None], w * seeing[:, :, None, None])
+    out_ref, grads_ref = reference(q, k, v, mask | ~seeing[:, :, None], w * seeing[:, :, None, None])
     out, grads = _run(lambda q, k, v: blockwise_attention(q, k, v, jnp.asarray(pos), jnp.asarray(kv_mask), 3),
                       q, k, v, w * seeing[:, :, None, None])
     np.testing.assert_allclose(np.asarray(out)[seeing], out_ref[seeing], rtol=0, atol=1e-5)
@@ -143,7 +134,7 @@ def test_cudnn_entry_matches_float64():
     lengths = np.array([T, 6])
     kv_mask = np.arange(T)[None] < lengths[:, None]
     mask = np.tril(np.ones((T, T), bool))[None] & kv_mask[:, None, :]
-    out_ref, grads_ref = _reference_btkd(q, k, v, mask, w)
+    out_ref, grads_ref = reference(q, k, v, mask, w)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     out, grads = _run(lambda q, k, v: causal_attention(q, k, v, pos, jnp.asarray(kv_mask), "cudnn"), q, k, v, w)
     np.testing.assert_allclose(out, out_ref, rtol=0, atol=1e-5)
@@ -160,7 +151,7 @@ def test_splash_matches_float64_in_interpret_mode():
     kv_mask[1, 100:] = False
     w = w * kv_mask[:, :, None, None]
     mask = np.tril(np.ones((T, T), bool))[None] & kv_mask[:, None, :]
-    out_ref, grads_ref = _reference_btkd(q, k, v, mask | ~kv_mask[:, :, None], w)
+    out_ref, grads_ref = reference(q, k, v, mask | ~kv_mask[:, :, None], w)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     out, grads = _run(lambda q, k, v: causal_attention(q, k, v, pos, jnp.asarray(kv_mask), "splash"), q, k, v, w)
     np.testing.assert_allclose(np.asarray(out)[kv_mask], out_ref[kv_mask], rtol=0, atol=1e-5)
