@@ -77,6 +77,7 @@ class RLSection:
     damping_ema: float = 0.9
     logprob_temperature: float | None = None  # None: the sampling temperature (as verl)
     remat: str = "full"  # backward-pass recompute (models.decoder.REMAT): full | dots | none
+    attention: str = "auto"  # uncached attention (models.attention): auto | dense | blockwise | cudnn | splash
 
 
 @dataclasses.dataclass

@@ -129,7 +129,8 @@ class Run:
             kl_beta=tuple((r, float(b)) for r, b in rl.kl_beta.items()),
             damping_lambda=rl.damping_lambda, damping_ema=rl.damping_ema, logprob_temperature=temp,
             lora_scale=self.lora_cfg.scale if self.lora_cfg else None,
-            minibatch=rl.minibatch, minibatch_size=rl.minibatch_size, remat=rl.remat)
+            minibatch=rl.minibatch, minibatch_size=rl.minibatch_size, remat=rl.remat,
+            attention=rl.attention)
         self.adv_cfg = AdvantageConfig(group_key=rl.group_preset, reward_routing=rl.reward_routing,
                                        estimator=rl.estimator)
         o = cfg.optim

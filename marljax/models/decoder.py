@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from marljax.models.attention import attention, causal_attention, resolve_attention
 from marljax.sharding import constrain
 
 # Linear maps of one layer: name -> (input logical axes, output logical axes).
@@ -182,18 +183,19 @@ class Decoder(nnx.Module):
         return constrain(logits, ("batch", *("length",) * (logits.ndim - 2), "act_vocab"))
 
     def hidden(self, tokens_bt, positions_bt=None, *, cache=None, lora=None, lora_scale=1.0,
-               kv_mask_bs=None, remat: str = "none", layers=None):
+               kv_mask_bs=None, remat: str = "none", layers=None, attention_impl: str = "auto"):
         """Last hidden states [B, T, D] (before the final norm) and the updated cache (or None).
 
         Without a cache, the stacked layers run under `lax.scan` and attention is causal over the T
         tokens (`kv_mask_bs` [B, T] may mark padded keys); `remat` (see `REMAT`) trades backward-pass
-        recomputation for activation memory. With a cache (`init_cache`: one per layer), the T new
-        tokens of row b are written at columns positions_bt[b, 0] … + T − 1 and attend every column ≤
-        their own position (cache column = absolute position, so right-padded prompts need no
-        extra mask). The cached path runs the layers as a Python loop over per-layer weights: a scan
-        would copy each layer's weight and cache slices out of the stacked arrays on every step.
-        Pass `layers=self.layer_list()`, made once outside a decode loop, to read those weights in
-        place.
+        recomputation for activation memory, and `attention_impl` (`attention.ATTENTIONS`) picks the
+        attention kernel (`auto`: by backend and T; dense for short T on CPU). With a cache
+        (`init_cache`: one per layer), the T new tokens of row b are written at columns
+        positions_bt[b, 0] … + T − 1 and attend every column ≤ their own position (cache column =
+        absolute position, so right-padded prompts need no extra mask). The cached path runs the
+        layers as a Python loop over per-layer weights: a scan would copy each layer's weight and
+        cache slices out of the stacked arrays on every step. Pass `layers=self.layer_list()`, made
+        once outside a decode loop, to read those weights in place.
         """
         c = self.config
         B, T = tokens_bt.shape
@@ -201,14 +203,14 @@ class Decoder(nnx.Module):
             positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         x = constrain(jnp.take(self.embed[...], tokens_bt, axis=0), ("batch", "length", "act_embed"))
         if cache is None:
-            key_pos_bs = positions_bt
+            impl = resolve_attention(attention_impl, T, c.jnp_dtype)
         else:
             S = cache[0]["k"].shape[2]
             key_pos_bs = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-        mask_bts = key_pos_bs[:, None, :] <= positions_bt[:, :, None]
+            mask_bts = key_pos_bs[:, None, :] <= positions_bt[:, :, None]
+            if kv_mask_bs is not None:
+                mask_bts = mask_bts & kv_mask_bs[:, None, :]
         rot = rope_tables(positions_bt, c.head_dim, c.rope_theta)
-        if kv_mask_bs is not None:
-            mask_bts = mask_bts & kv_mask_bs[:, None, :]
 
         def block(x, p, lora_l, kv):
             h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
@@ -220,7 +222,7 @@ class Decoder(nnx.Module):
                 k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
             q, k = rope(q, *rot), rope(k, *rot)
             if kv is None:
-                attn = attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask_bts, "train")
+                attn = causal_attention(q, k, v, positions_bt, kv_mask_bs, impl)
             else:  # scatter the new tokens into this layer's cache (in place under jit)
                 rows_bt = jnp.broadcast_to(jnp.arange(B)[:, None], positions_bt.shape)
                 kv = {"k": kv["k"].at[rows_bt, :, positions_bt].set(k.astype(kv["k"].dtype)),
@@ -277,38 +279,6 @@ REMAT = {
 
 _HEADS = ("batch", "length", "act_heads", "head_dim")
 _KV_HEADS = ("batch", "length", "act_kv_heads", "head_dim")
-
-
-# Per kv layout, the two batched matmuls of `attention`, in the forms XLA CPU runs fastest (measured):
-# "cache" (keys [B, K, S, Dh], values [B, K, Dh, S]; decode reads the KV cache in place, T = 1 query) and
-# "train" (keys [B, K, Dh, S], values [B, K, S, Dh]; the uncached pass over a whole sequence, where each
-# (b, k) becomes one [G·T, Dh] @ [Dh, S] matmul: 0.94 vs 1.0 of the LoRA step time with remat=full).
-ATTENTION_LAYOUTS = {
-    "cache": ("btkgd,bksd->bkgts", "bkgts,bkds->btkgd"),
-    "train": ("bkgtd,bkds->bkgts", "bkgts,bksd->bkgtd"),
-}
-
-
-def attention(q_bthd, k, v, mask_bts, layout: str = "cache"):
-    """Grouped-query softmax attention with a boolean mask; softmax in float32.
-
-    `layout` names the key/value layouts (see `ATTENTION_LAYOUTS`); both give the same numbers.
-    """
-    B, T, H, Dh = q_bthd.shape
-    K = k.shape[1]
-    scores_spec, out_spec = ATTENTION_LAYOUTS[layout]
-    q = q_bthd.reshape(B, T, K, H // K, Dh)
-    if layout == "train":
-        q = q.transpose(0, 2, 3, 1, 4)
-    scores = jnp.einsum(scores_spec, q, k, preferred_element_type=jnp.float32)
-    scores = scores * (Dh ** -0.5)
-    # A finite floor (not -inf) keeps fully masked padding rows NaN-free in value and gradient.
-    scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum(out_spec, probs.astype(v.dtype), v)
-    if layout == "train":
-        out = out.transpose(0, 3, 1, 2, 4)
-    return out.reshape(B, T, H, Dh)
 
 
 def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> list[dict[str, Any]]:

@@ -31,7 +31,9 @@ import numpy as np
 import optax
 from flax import nnx
 
+from marljax.models.attention import check_attention
 from marljax.models.decoder import REMAT, Decoder
+from marljax.models.logprobs import target_logprobs
 from marljax.rl.losses import LossConfig, sequence_losses
 from marljax.sampling import bucket, bucket_rows
 
@@ -65,6 +67,7 @@ class StepConfig:
     minibatch: str = "paper"
     minibatch_size: int = 512
     remat: str = "full"  # decoder.REMAT: full | dots | none
+    attention: str = "auto"  # models.attention.ATTENTIONS: auto | dense | blockwise | cudnn | splash
 
     def __post_init__(self):
         if self.role_weighting not in ROLE_WEIGHTINGS:
@@ -73,6 +76,7 @@ class StepConfig:
             raise ValueError(f"rl.minibatch={self.minibatch!r}; choose from {MINIBATCH_MODES}.")
         if self.remat not in REMAT:
             raise ValueError(f"rl.remat={self.remat!r}; choose from {sorted(REMAT)}.")
+        check_attention(self.attention)
         if not 0.0 <= self.damping_lambda <= 1.0:
             raise ValueError(f"rl.damping_lambda={self.damping_lambda} must be in [0, 1].")
 
@@ -142,14 +146,13 @@ class Trainer:
         else:
             model = nnx.merge(self.graphdef, base)
             lora = None if use_base else trainable
-        h_ntd, _ = model.hidden(batch.tokens_nt, lora=lora, lora_scale=cfg.lora_scale or 1.0, remat=cfg.remat)
+        h_ntd, _ = model.hidden(batch.tokens_nt, lora=lora, lora_scale=cfg.lora_scale or 1.0,
+                                remat=cfg.remat, attention_impl=cfg.attention)
         T, R = batch.tokens_nt.shape[1], batch.resp_mask_nr.shape[1]
         idx_nr = jnp.minimum(batch.prompt_len_n[:, None] - 1 + jnp.arange(R), T - 2)
         h_nrd = jnp.take_along_axis(h_ntd, idx_nr[:, :, None], axis=1)
         target_nr = jnp.take_along_axis(batch.tokens_nt, idx_nr + 1, axis=1)
-        logits = model.logits(h_nrd) / cfg.logprob_temperature
-        target_logit = jnp.take_along_axis(logits, target_nr[:, :, None], axis=-1)[:, :, 0]
-        return target_logit - jax.nn.logsumexp(logits, axis=-1)  # no [n, R, vocab] log_softmax
+        return target_logprobs(model.logits, h_nrd, target_nr, cfg.logprob_temperature)
 
     def _all_logprobs(self, base, params, batches: dict[str, RoleBatch]):
         return {r: self.response_logprobs(params[self.cfg.set_of(r)], b, base=base)
