@@ -20,8 +20,9 @@ Then clip + AdamW per set (optax). Diagnostics, per mini-batch:
 
 `train_batch` cuts each set's samples into mini-batches — `paper`: one optimizer step per M samples, so a
 set with 3× the samples takes 3× the steps (same-role amplification), after a seeded shuffle that deals
-every role of the set evenly over its mini-batches; `balanced`: one step per set per training step — and calls the jitted
-update once per mini-batch index. Per-role metrics are averaged over the mini-batches holding the role.
+every role of the set evenly over its mini-batches; `balanced`: one step per set per training step — and
+calls the jitted update once per mini-batch index. Per-role metrics are averaged over the mini-batches
+holding the role.
 """
 from __future__ import annotations
 
