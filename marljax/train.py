@@ -66,6 +66,12 @@ def lr_at(cfg: Config, step: int) -> float:
     return o.lr * 0.5 * (1 + math.cos(math.pi * min(step - o.warmup_steps, span) / span))
 
 
+def minibatch_seed(seed: int, step: int) -> int:
+    """The mini-batch shuffle's seed of training step `step`: a function of (run seed, step) only, so a
+    resumed run cuts the same mini-batches (the constant keeps it apart from the rollout's seed)."""
+    return int(np.random.SeedSequence([seed, step, 0x6D62]).generate_state(1)[0])
+
+
 def workflow_options(cfg: Config) -> dict:
     w = cfg.workflow
     own = {"voting": {"n_votes": w.n_votes}, "eval_opt": {"max_iterations": w.max_iterations},
@@ -245,7 +251,8 @@ class Run:
         lr = lr_at(cfg, step) * self.lr_scale
         with sharding.use_mesh(self.mesh, self.rules):
             self.params, self.opt_states, self.ema, m = train_batch(
-                self.trainer, self.params, self.opt_states, self.ema, samples, lr)
+                self.trainer, self.params, self.opt_states, self.ema, samples, lr,
+                seed=minibatch_seed(cfg.seed, step))
         t_update = time.perf_counter() - t1
         record = {"step": step, "lr": lr, **rollout_metrics(ro), **adv.metrics(), **m}
         for role in self.workflow.roles:

@@ -176,6 +176,17 @@ def test_arith_through_the_registry():
         load_task("arith", path="x")
 
 
+def test_parity_through_the_registry():
+    """The smoke-test task: deterministic problems, reward 1 iff the answer has an even number of characters."""
+    problems = load_task("parity", split="test", seed=3, limit=5)
+    assert len(problems) == 5 and all(p.kind == "math" for p in problems)
+    assert problems == load_task("parity", split="test", seed=3, limit=5)
+    assert [p.question for p in problems] != [p.question for p in load_task("parity", split="train", seed=3, limit=5)]
+    assert [problems[0].reward(t) for t in ("", "a", "ab", "\\boxed{12}", "\\boxed{1}")] == [1.0, 0.0, 1.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match="takes no path and no options"):
+        load_task("parity", digits=2)
+
+
 def test_grain_dataset():
     ds = task_dataset("gsm8k", path=fixture("gsm8k.jsonl"), split="all")
     assert len(ds) == 3 and isinstance(ds[0], Problem)

@@ -1,4 +1,5 @@
-"""The jitted RL step: role-gradient algebra, isolation, amplification and its mitigation, guards."""
+"""The jitted RL step: same-role amplification and its mitigation, mini-batching (paper, balanced, mixed by
+a seeded shuffle), damping, guards, remat. Diagnostics against independent gradients: test_step_diagnostics.py."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,52 +42,12 @@ def _delta(new, old):
     return float(optax.tree.norm(jax.tree.map(jnp.subtract, new, old)))
 
 
-def _reference_update(opt, params, grad):
-    state = opt.init(params)
-    state[1].hyperparams["learning_rate"] = jnp.float32(LR)
-    upd, _ = opt.update(grad, state, params)
-    return optax.apply_updates(params, upd)
-
-
-def test_shared_count_weighting_equals_mixed_batch_gradient():
-    """Σ_r w_r g_r under `count` is the gradient of the plain mixed-batch loss: same update (≤ 1e-5 rel)."""
-    model, opt = _model(), make_optimizer()
-    samples = _samples("generator", 6, 0) + _samples("aggregator", 2, 1)
-    cfg = StepConfig(route=(("generator", "s"), ("aggregator", "s")), lora_scale=LORA.scale, minibatch="balanced")
-    tr = Trainer(model, cfg, opt)
-    ad = _adapter(1)
-    ad_copy = jax.tree.map(jnp.array, ad)
-    mixed = pack(samples)
-    g_mixed = jax.grad(lambda t: tr.role_loss(t, mixed, "any", False)[0])(ad_copy)
-    expected = _reference_update(opt, ad_copy, g_mixed)
-    new, _, _, m = train_batch(tr, {"s": ad}, {"s": opt.init(ad)}, {}, samples, LR)
-    assert m["role/generator/weight"] == pytest.approx(6 / 8)
-    assert m["role/aggregator/weight"] == pytest.approx(2 / 8)
-    assert _rel(new["s"], expected) <= 1e-5
-    assert m["role/generator/grad_share"] + m["role/aggregator/grad_share"] == pytest.approx(1.0, abs=1e-6)
-    assert -1.0 <= m["cos/aggregator/generator"] <= 1.0
-
-
-def test_isolated_sets_each_take_only_their_roles_gradient():
-    model, opt = _model(), make_optimizer()
-    gen, agg = _samples("generator", 5, 2), _samples("aggregator", 3, 3)
-    cfg = StepConfig(route=(("generator", "generator"), ("aggregator", "aggregator")), lora_scale=LORA.scale,
-                     minibatch="balanced")
-    tr = Trainer(model, cfg, opt)
-    params = {"generator": _adapter(1), "aggregator": _adapter(2)}
-    copies = jax.tree.map(jnp.array, params)
-    new, _, _, m = train_batch(tr, params, {k: opt.init(v) for k, v in params.items()}, {}, gen + agg, LR)
-    for role, own in (("generator", gen), ("aggregator", agg)):
-        b = pack(own)
-        g = jax.grad(lambda t: tr.role_loss(t, b, role, False)[0])(copies[role])
-        assert _rel(new[role], _reference_update(opt, copies[role], g)) <= 1e-5
-        assert m[f"role/{role}/grad_share"] == pytest.approx(1.0)
-        assert m[f"set/{role}/opt_steps"] == 1
-
-
 def _voting_update(n_voters, same_role_scale, episodes=4):
-    """Isolated Voting-like batch: n identical-prompt voters (same samples, same advantages) + aggregator."""
-    model, opt = _model(), make_optimizer()
+    """Isolated Voting-like batch: n identical-prompt voters (same samples, same advantages) + aggregator.
+    Plain SGD: the update is lr × the gradient, so a wrong factor on it shows (Adam's first step would
+    normalise it away)."""
+    model = _model()
+    opt = optax.chain(optax.identity(), optax.inject_hyperparams(optax.sgd)(learning_rate=0.0))
     base = _samples("generator", episodes, 11)
     voters = [s for _ in range(n_voters) for s in base]
     agg = _samples("aggregator", episodes, 12)
@@ -155,6 +116,52 @@ def test_minibatches_paper_vs_balanced():
     assert [len(mb.get("aggregator", [])) for mb in paper] == [4, 0, 0]
     balanced = minibatches(samples, StepConfig(route=route, minibatch="balanced", minibatch_size=4))
     assert len(balanced) == 1 and len(balanced[0]["generator"]) == 12
+    shuffled = minibatches(samples, StepConfig(route=route, minibatch="paper", minibatch_size=4), seed=3)
+    assert [{r: len(v) for r, v in mb.items()} for mb in shuffled] == [
+        {"generator": 4, "aggregator": 4}, {"generator": 4}, {"generator": 4}]  # isolated sets: same cut
+
+
+def _tagged(role, n):
+    """Cheap host-side samples; the prompt carries a unique tag."""
+    offset = {"generator": 0, "aggregator": 10_000}[role]
+    return [Sample(role, [offset + i], [1], 0.0) for i in range(n)]
+
+
+def _tags(mbs):
+    return [sorted(s.prompt[0] for v in mb.values() for s in v) for mb in mbs]
+
+
+def test_paper_minibatches_mix_the_roles_of_a_shared_set():
+    """The paper's Voting counts (64 problems × 8 rollouts, 3 voters): 1536 generator + 512 aggregator
+    samples on one set, M = 512 → 4 mini-batches, each about a quarter aggregator; a permutation fixed by
+    (run seed, step) only, so a resumed run cuts the same mini-batches."""
+    from marljax.train import minibatch_seed
+    samples = _tagged("generator", 1536) + _tagged("aggregator", 512)
+    cfg = StepConfig(route=(("generator", "s"), ("aggregator", "s")), minibatch="paper", minibatch_size=512)
+    mbs = minibatches(samples, cfg, seed=minibatch_seed(0, 1))
+    assert len(mbs) == 4
+    for mb in mbs:
+        assert len(mb["generator"]) + len(mb["aggregator"]) == 512
+        assert abs(len(mb["aggregator"]) / 512 - 0.25) <= 0.1, len(mb["aggregator"])
+        assert len(mb["aggregator"]) == 128  # dealt evenly: one packed shape for all four
+    assert sorted(t for tags in _tags(mbs) for t in tags) == sorted(s.prompt[0] for s in samples)  # each once
+    assert _tags(minibatches(samples, cfg, seed=minibatch_seed(0, 1))) == _tags(mbs)
+    assert _tags(minibatches(samples, cfg, seed=minibatch_seed(0, 2))) != _tags(mbs)
+    assert _tags(minibatches(samples, cfg, seed=minibatch_seed(1, 1))) != _tags(mbs)
+    # no seed: rollout order, as before (generator-only mini-batches, then the aggregator's)
+    assert [sorted(mb) for mb in minibatches(samples, cfg)] == [["generator"]] * 3 + [["aggregator"]]
+
+
+def test_same_role_scale_sizes_shuffled_minibatches_by_effective_count():
+    """With same_role_scale 1/3, 1536 voter samples count as 512: n_eff = 1024 → 2 mini-batches of 512
+    effective samples each, still mixed."""
+    samples = _tagged("generator", 1536) + _tagged("aggregator", 512)
+    cfg = StepConfig(route=(("generator", "s"), ("aggregator", "s")), minibatch="paper", minibatch_size=512,
+                     role_scale=(("generator", 1 / 3),))
+    mbs = minibatches(samples, cfg, seed=7)
+    assert len(mbs) == 2
+    assert [(len(mb["generator"]), len(mb["aggregator"])) for mb in mbs] == [(768, 256)] * 2  # n_eff 512 each
+    assert sorted(t for tags in _tags(mbs) for t in tags) == sorted(s.prompt[0] for s in samples)
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])

@@ -6,19 +6,31 @@ For every role r the step computes its loss L_r and gradient g_r w.r.t. its own 
        loss of the set), `equal` (1/R), or `inverse_norm` (∝ 1/‖g_r‖, equal mass per role);
        `same_role_scale` multiplies a role's count by 1/N for its N parallel same-role agents;
   d_r  coherence damping (the paper's I6): 1 − λ·clamp(cos(g_r, EMA(g_r)), 0, 1).
-Diagnostics: ‖g_r‖ (`grad_norm`), mass ‖c_r g_r‖, share = mass_r / Σ_{r' on the set} mass_r',
-pairwise cos(g_r, g_r') between roles on one set. Then clip + AdamW per set (optax).
+Then clip + AdamW per set (optax). Diagnostics, per mini-batch:
+  `grad_norm`     ‖g_r‖, the role's own gradient (its loss alone, on its samples of the mini-batch);
+  `grad_mass`     ‖c_r g_r‖, its weighted contribution to G;
+  `grad_share`    mass_r / Σ_{r' on the set} mass_r': a share of weighted gradient *norms*, before
+                  clipping and the optimizer (it ignores directions: two opposed roles both count);
+  `update_share`  ⟨c_r g_r, U⟩ / ⟨G, U⟩ with U the set's applied update (after clip + AdamW, weight decay
+                  included): a signed attribution of the step actually taken, summing to 1 over the set's
+                  roles by linearity. Under plain SGD (U ∝ −G) it is ⟨c_r g_r, G⟩ / ‖G‖²; it differs from
+                  `grad_share` when roles' gradients conflict (a role can take a negative share) and when
+                  Adam rescales coordinates unequally;
+  `cos/<r1>/<r2>` cos(g_r1, g_r2) between roles on one set.
 `logp_gap` / `logp_gap_max`: mean / max |sampler logprob − trainer logprob| over a role's response
 tokens that carry the sampler's logprob, both at the rollout's parameters (the trainer's current ones
 with one mini-batch, its pre-update `old_logp_nr` with several) and the same tempered distribution: the
 drift between how rollouts were sampled (LoRA folded into the weights) and how the trainer scores them.
 
-`Trainer.train_batch` cuts each set's samples into mini-batches — `paper`: one optimizer step per M
-samples, so a set with 3× the samples takes 3× the steps (same-role amplification), `balanced`: one
-step per set per training step — and calls the jitted update once per mini-batch index.
+`train_batch` cuts each set's samples into mini-batches — `paper`: one optimizer step per M samples, so a
+set with 3× the samples takes 3× the steps (same-role amplification), after a seeded shuffle that deals
+every role of the set evenly over its mini-batches; `balanced`: one step per set per training step — and
+calls the jitted update once per mini-batch index. Per-role metrics are averaged over the mini-batches
+holding the role.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -107,6 +119,15 @@ def _tree_dot(a, b):
 
 def _scale(tree, c):
     return jax.tree.map(lambda x: (x * c).astype(x.dtype), tree)
+
+
+def _update_shares(weighted_grads: dict, update) -> dict[str, jax.Array]:
+    """Signed share of the applied update U per role: ⟨c_r g_r, U⟩ / Σ_r' ⟨c_r' g_r', U⟩ (= ⟨G, U⟩);
+    sums to 1 over the set's roles (0 for all when ⟨G, U⟩ = 0)."""
+    dots = {r: _tree_dot(g, update) for r, g in weighted_grads.items()}
+    total = sum(dots.values())
+    safe = jnp.where(total != 0, total, 1.0)
+    return {r: jnp.where(total != 0, d / safe, 0.0) for r, d in dots.items()}
 
 
 class Trainer:
@@ -224,8 +245,8 @@ class Trainer:
             for a, b in itertools.combinations(roles, 2):
                 out[f"cos/{a}/{b}"] = _tree_dot(grads[a], grads[b]) / jnp.maximum(norms[a] * norms[b],
                                                                                    1e-12)
-            g_set = functools.reduce(lambda x, y: jax.tree.map(jnp.add, x, y),
-                                     [_scale(grads[r], coeffs[r]) for r in roles])
+            weighted = {r: _scale(grads[r], coeffs[r]) for r in roles}
+            g_set = functools.reduce(lambda x, y: jax.tree.map(jnp.add, x, y), weighted.values())
             finite = jnp.all(jnp.stack([jnp.isfinite(losses[r]) & jnp.isfinite(norms[r]) for r in roles]))
             active = (total > 0) & finite  # a non-finite loss or gradient skips the update
             out[f"set/{set_name}/nonfinite"] = (~finite).astype(jnp.float32)
@@ -237,6 +258,8 @@ class Trainer:
                                                 params[set_name])
             new_opt[set_name] = jax.tree.map(lambda n, o: jnp.where(active, n, o), opt_state,
                                              new_opt[set_name])
+            for r, share in _update_shares(weighted, updates).items():
+                out[f"role/{r}/update_share"] = jnp.where(active, share, 0.0)
             out[f"set/{set_name}/grad_norm"] = optax.tree.norm(g_set)
             out[f"set/{set_name}/update_norm"] = jnp.where(active, optax.tree.norm(updates), 0.0)
             out[f"set/{set_name}/loss"] = sum(weights[r] * losses[r] for r in roles)
@@ -301,16 +324,35 @@ def pack(samples: list[Sample], *, n_bucket: int | None = None) -> RoleBatch:
                      jnp.asarray(old), jnp.asarray(sampler), jnp.asarray(has_sampler))
 
 
-def minibatches(samples: list[Sample], cfg: StepConfig) -> list[dict[str, list[Sample]]]:
-    """Cut every set's samples (in rollout order) into mini-batches; entry k holds the k-th of each set.
+def _mixed_chunks(items: list[Sample], k: int) -> list[list[Sample]]:
+    """`k` chunks, each holding 1/k of every role's samples (±1), in the order given: exact shares, so
+    every mini-batch packs to about the same rows per role (one compiled shape, not one per draw)."""
+    n_role = collections.Counter(s.role for s in items)
+    seen: collections.Counter = collections.Counter()
+    chunks: list[list[Sample]] = [[] for _ in range(k)]
+    for s in items:
+        chunks[seen[s.role] * k // n_role[s.role]].append(s)
+        seen[s.role] += 1
+    return chunks
+
+
+def minibatches(samples: list[Sample], cfg: StepConfig, *, seed: int | None = None
+                ) -> list[dict[str, list[Sample]]]:
+    """Cut every set's samples into mini-batches; entry k holds the k-th of each set.
 
     `paper`: a set with n samples takes ceil(n_eff / M) mini-batches, n_eff counting a sample of a role
-    with same-role scale s as s samples; `balanced`: one mini-batch per set.
+    with same-role scale s as s samples; `balanced`: one mini-batch per set. `seed` (paper mode): each
+    set's samples are shuffled by a permutation from `numpy.random.default_rng(seed)` and every role's
+    samples are then dealt evenly over the k mini-batches, so each carries every role of the set in its
+    share (rollouts list calls stage by stage: cut in that order, a shared Voting set would train on
+    generator-only, then aggregator-only mini-batches). `seed=None` cuts in rollout order (no shuffle);
+    the trainer always passes one.
     """
     scale = dict(cfg.role_scale)
     per_set: dict[str, list[Sample]] = {s: [] for s in cfg.sets}
     for s in samples:
         per_set[cfg.set_of(s.role)].append(s)
+    rng = np.random.default_rng(seed) if seed is not None and cfg.minibatch == "paper" else None
     chunks_per_set = {}
     for set_name, items in per_set.items():
         if not items:
@@ -321,8 +363,11 @@ def minibatches(samples: list[Sample], cfg: StepConfig) -> list[dict[str, list[S
         else:
             n_eff = sum(scale.get(s.role, 1.0) for s in items)
             k = max(1, math.ceil(n_eff / cfg.minibatch_size - 1e-9))
-        bounds = np.linspace(0, len(items), k + 1).round().astype(int)
-        chunks_per_set[set_name] = [items[bounds[i]: bounds[i + 1]] for i in range(k)]
+        if rng is None:
+            bounds = np.linspace(0, len(items), k + 1).round().astype(int)
+            chunks_per_set[set_name] = [items[bounds[i]: bounds[i + 1]] for i in range(k)]
+        else:
+            chunks_per_set[set_name] = _mixed_chunks([items[i] for i in rng.permutation(len(items))], k)
     n_mb = max((len(c) for c in chunks_per_set.values()), default=0)
     out = []
     for i in range(n_mb):
@@ -335,10 +380,12 @@ def minibatches(samples: list[Sample], cfg: StepConfig) -> list[dict[str, list[S
     return out
 
 
-def train_batch(trainer: Trainer, params, opt_states, ema, samples: list[Sample], lr: float):
-    """All optimizer steps of one training step. Returns new state and averaged metrics."""
+def train_batch(trainer: Trainer, params, opt_states, ema, samples: list[Sample], lr: float, *,
+                seed: int | None = None):
+    """All optimizer steps of one training step. Returns new state and averaged metrics. `seed`: the
+    mini-batch shuffle (see `minibatches`); derive it from (run seed, step) so a resumed run repeats it."""
     cfg = trainer.cfg
-    mbs = minibatches(samples, cfg)
+    mbs = minibatches(samples, cfg, seed=seed)
     roles_present = sorted({s.role for s in samples})
     packed = []
     for mb in mbs:

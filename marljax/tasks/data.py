@@ -373,7 +373,7 @@ _CONVERTERS: dict[str, tuple[Callable[[dict, str], Problem], Callable[[], str] |
     "mbpp": (_mbpp, None),
     "deepcoder": (_deepcoder, None),
 }
-TASKS = ("arith", *_CONVERTERS)
+TASKS = ("arith", "parity", *_CONVERTERS)
 CODE_TASKS = frozenset({"humaneval", "mbpp", "deepcoder"})
 HOLDOUT = {"deepcoder": 1000}  # the paper's held-out count where it is not 10% of the rows
 _FILTERS = {"deepcoder": _deepcoder_filter}  # a task's row filter, applied before the split; its options
@@ -406,6 +406,11 @@ def load_task(name: str, path: str | None = None, split: str = "train", seed: in
         if path is not None:
             raise ValueError("task 'arith' is generated; it takes no path.")
         return generate(1000 if limit is None else limit, seed=seed, split=split, config=ArithConfig(**options))
+    if name == "parity":  # a pipeline smoke test for random models (marljax/tasks/parity.py)
+        from marljax.tasks.parity import generate
+        if path is not None or options:
+            raise ValueError("task 'parity' is generated; it takes no path and no options.")
+        return generate(1000 if limit is None else limit, seed=seed, split=split)
     if name not in _CONVERTERS:
         raise ValueError(f"unknown task {name!r}; expected one of {TASKS}.")
     row_filter = _FILTERS.get(name)
