@@ -70,7 +70,8 @@ def test_trainer_logprobs_do_not_hold_full_logits():
     trainer = _trainer(vocab)
     spec = jax.ShapeDtypeStruct
     batch = RoleBatch(spec((n, R_LONG + 16), jnp.int32), spec((n,), jnp.int32), spec((n, R_LONG), jnp.float32),
-                      spec((n,), jnp.float32), spec((n, R_LONG), jnp.float32))
+                      spec((n,), jnp.float32), spec((n, R_LONG), jnp.float32), spec((n, R_LONG), jnp.float32),
+                      spec((n,), jnp.float32))
     grad = jax.jit(jax.grad(lambda p, b: jnp.sum(trainer.response_logprobs(p, b))))
     temp = grad.lower(trainer.base_state, batch).compile().memory_analysis().temp_size_in_bytes
     full = n * R_LONG * vocab * 4
@@ -83,7 +84,8 @@ def test_trainer_logprobs_unchanged_by_chunking(monkeypatch):
     trainer = _trainer(vocab)
     rng = np.random.default_rng(1)
     batch = RoleBatch(jnp.asarray(rng.integers(0, vocab, (n, R_ + 8)), jnp.int32), jnp.asarray([5, 7], jnp.int32),
-                      jnp.ones((n, R_), jnp.float32), jnp.ones((n,), jnp.float32), jnp.zeros((n, R_), jnp.float32))
+                      jnp.ones((n, R_), jnp.float32), jnp.ones((n,), jnp.float32), jnp.zeros((n, R_), jnp.float32),
+                      jnp.zeros((n, R_), jnp.float32), jnp.zeros((n,), jnp.float32))
     g = jnp.asarray(rng.normal(size=(n, R_)), jnp.float32)
 
     def run():
