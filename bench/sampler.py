@@ -22,7 +22,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchdoc import machine, write_section  # first (before jax); bench/ is on sys.path when a script here runs
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from marljax.models import load_model

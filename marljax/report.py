@@ -1,15 +1,15 @@
 """`python -m marljax.report RUN_DIR [RUN_DIR ...] [--out DIR]`: report.md + PNG plots of runs.
 
 Per run: accuracy vs step (base line, peak, final, cliff marker), per-role gradient norm and mass share,
-per-role output length and parse-failure rate, optimizer steps per set. For several runs, a paper-style
-table: cell, base, peak (step), final, Δ vs base ± its noise, Δ vs the single-agent run of the same task and
-model when one is among the runs, cliff, dominant role. Every number in the table comes from metrics.jsonl
-through `summarize`. The noise is one standard error of the paired difference final − base: both evals
-run the same held-out problems, whose transcripts (`eval_step{N}.jsonl`) give per problem its mean reward
-over the eval's k runs (the k answers of a problem are one cluster); with d_i = final_i − base_i over the n
-problems, s.e. = std(d, ddof=1) / √n. Without both transcripts it falls back to the unpaired binomial
-s.e. of two independent evals (√(p₀(1−p₀)/N₀ + p₁(1−p₁)/N₁), N = `eval/n_problems` × `eval/k` episodes),
-labelled as such.
+per-role output length and parse-failure rate, optimizer steps per set. For several runs, a paper-style table:
+cell, base, peak (step), final, Δ vs base ± its noise, Δ vs the single-agent run of the same task and model
+when one is among the runs, cliff, dominant role. Every number in the table comes from metrics.jsonl through
+`summarize`, except the noise and the SA-transfer column (below). The noise is one standard error of the
+paired difference final − base: both evals run the same held-out problems, whose transcripts
+(`eval_step{N}.jsonl`) give per problem its mean reward over the eval's k runs (the k answers of a problem are
+one cluster); with d_i = final_i − base_i over the n problems, s.e. = std(d, ddof=1) / √n. Without both
+transcripts it falls back to the unpaired binomial s.e. of two independent evals (√(p₀(1−p₀)/N₀ +
+p₁(1−p₁)/N₁), N = `eval/n_problems` × `eval/k` episodes), labelled as such.
 
 Checkpoint re-evaluations (`python -m marljax.evaluate checkpoint=RUN_DIR`, e.g. `which=peak`, or a
 single-agent run's SA→MA `transfer=`) are read from RUN_DIR/evals/*.json: the table then gains an
@@ -176,8 +176,8 @@ def plot_run(run_dir: pathlib.Path, out_dir: pathlib.Path) -> list[pathlib.Path]
     sharing = _sharing_roles(_config(run_dir).get("policy"), _roles(records, "/grad_share"))
     for role in sharing:
         a2.plot(*_series(records, f"role/{role}/grad_share"), label=role)
-    a2.set(title="per-role share of its set's update mass", xlabel="training step", ylabel="share (0–1)",
-           ylim=(0, 1.05))
+    a2.set(title="per-role share of its set's gradient mass (grad_share)", xlabel="training step",
+           ylabel="share (0–1)", ylim=(0, 1.05))
     if sharing:
         a2.legend(fontsize=8)
     else:

@@ -15,7 +15,6 @@ detector fires, then stops or continues at a scaled learning rate.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import pathlib

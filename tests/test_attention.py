@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from marljax.config import load_config
+from marljax.config import DEMO_CONFIG, load_config
 from marljax.models.attention import (ATTENTION_LAYOUTS, DENSE_MAX_LENGTH, _needed, attention,
                                       blockwise_attention, causal_attention, resolve_attention)
 from marljax.models.decoder import Decoder
@@ -163,10 +163,9 @@ def test_splash_matches_float64_in_interpret_mode():
 def test_auto_is_dense_for_short_sequences_on_cpu():
     """The default run (configs/default.yaml: ≤ 32-token responses, prompts ≤ ~250 tokens, T ≤ 320) keeps
     today's dense kernel; long sequences go blockwise; half precision on a GPU goes to cuDNN."""
-    cfg = load_config("configs/default.yaml")
+    cfg = load_config(str(DEMO_CONFIG))
     assert cfg.rl.attention == "auto"
-    assert jax.default_backend() == "cpu"
-    assert resolve_attention(cfg.rl.attention, 320, jnp.float32) == "dense"
+    assert resolve_attention(cfg.rl.attention, 320, jnp.float32, "cpu") == "dense"
     assert resolve_attention("auto", DENSE_MAX_LENGTH, jnp.float32, "cpu") == "dense"
     assert resolve_attention("auto", DENSE_MAX_LENGTH + 1, jnp.float32, "cpu") == "blockwise"
     assert resolve_attention("auto", 4096, jnp.bfloat16, "gpu") == "cudnn"

@@ -9,10 +9,10 @@ a fresh init all differ, and a check that the right one was loaded can fail.
 import json
 import types
 
-import jax
 import numpy as np
 import pytest
 from test_report import _run as synthetic_run
+from test_rollback import _equal
 from test_train import TINY
 
 from marljax.checkpoint import Checkpointer
@@ -34,11 +34,6 @@ def single(tmp_path_factory):
         train_main([*TINY, "workflow=single", "policy=shared", "steps=4", f"run_dir={run_dir}",
                     "optim.weight_decay=0.5", "checkpoint.every=2"])
     return run_dir
-
-
-def _equal(a, b) -> bool:
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
 
 
 def _saved_params(run_dir, which):
