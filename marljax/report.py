@@ -252,8 +252,8 @@ def table(summaries: list[dict]) -> str:
              "|---|---|---|---|---|---|---|" + ("---|" if sa else "") + "---|---|"]
     for s in summaries:
         peak = f"{_fmt(s.get('peak'))} ({s.get('peak_step', '–')})"
-        delta = _fmt(s.get("delta")) + (f" ± {s['noise']:.3f}" if "noise" in s else "") + \
-            ("†" if s.get("noise_kind") == UNPAIRED else "")
+        delta = _fmt(s.get("delta")) + (f" ± {s['noise']:.3f}" + ("†" if s.get("noise_kind") == UNPAIRED else "")
+                                         if "noise" in s else "")
         dom = f"{s['dominant_role']} ({s['dominant_share']:.2f})" if "dominant_role" in s else "–"
         transfer = f" {_fmt(sa_transfer(s, summaries))} |" if sa else ""
         lines.append(f"| {s['run']} | {s['cell']} | {_fmt(s.get('base'))} | {peak} | {_fmt(s.get('final'))} | "

@@ -22,8 +22,8 @@ from marljax.train import main as train_main
 
 # evals every 2 steps of 10; the cliff window is the last 75% (drops at step ≥ 2.5 are terminal), δ = 0.05
 ACC = {0: 0.2, 2: 0.6, 4: 0.1, 6: 0.6, 8: 0.1, 10: 0.6}
-ARGS = [*TINY, "workflow=single", "policy=shared", "steps=10", "seed=0", "checkpoint.every=1", "checkpoint.keep=20",
-        "optim.weight_decay=0.5", "diagnostics.cliff_window=0.75", "diagnostics.rollback_on_cliff=true"]
+ARGS = [*TINY, "task=arith", "workflow=single", "policy=shared", "steps=10", "seed=0", "checkpoint.every=1",
+        "checkpoint.keep=20", "optim.weight_decay=0.5", "diagnostics.cliff_window=0.75", "diagnostics.rollback_on_cliff=true"]
 
 
 def _scripted_eval(self, seed):

@@ -31,7 +31,7 @@ def single(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Run, "evaluate", lambda self, seed: types.SimpleNamespace(
             metrics={"pass@1": ACC[seed - self.cfg.seed]}, transcripts=[]))
-        train_main([*TINY, "workflow=single", "policy=shared", "steps=4", f"run_dir={run_dir}",
+        train_main([*TINY, "task=arith", "workflow=single", "policy=shared", "steps=4", f"run_dir={run_dir}",
                     "optim.weight_decay=0.5", "checkpoint.every=2"])
     return run_dir
 
