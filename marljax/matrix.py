@@ -89,10 +89,10 @@ ACCELERATORS = {
     "h100": Accelerator("h100", 8, 80, 989, 3350, 450),
     "h200": Accelerator("h200", 8, 141, 989, 4800, 450),
     # this project's shared 2-core CPU box, as `python bench/roofline.py --samples 10` measured it on
-    # 2026-12-01 23:20 under load average 9 (docs/benchmarks.md, "CPU roof"): medians of XLA float32
-    # matmul 25 GFLOP/s and elementwise memory traffic 4 GB/s, 25.3 GB of memory. Quieter hours measure
-    # more: the 20 samples of the same matmul probe during `bench/train_step.py` at 17:33 had median 161.
-    "cpu": Accelerator("cpu", 1, 25.3, 0.025, 4, 1, dtype="float32"),
+    # 2026-12-02 00:48 at load average 0.5 (docs/benchmarks.md, "CPU roof"): medians of XLA float32 matmul
+    # 186 GFLOP/s (range 137-198) and elementwise memory traffic 22 GB/s, 25.3 GB of memory. Under load
+    # the box measures far less (25 GFLOP/s and 4 GB/s at load average 9, 2026-12-01 23:20).
+    "cpu": Accelerator("cpu", 1, 25.3, 0.186, 22, 1, dtype="float32"),
 }
 
 
