@@ -7,6 +7,23 @@ that `marljax.sharding` maps onto a device mesh; activations are constrained by 
 
 The forward pass optionally takes LoRA adapters as a plain pytree (`lora`), so one frozen base serves
 any number of adapter sets (one per parameter set of the role map), and a KV cache for sampling.
+
+Shape suffixes, the one legend of the package: an array's name ends in one lower-case letter per axis,
+in order (`q_bthd` is [B, T, H, D]); docstrings and comments write the same letters upper-case. The
+model letters are the initials of the logical axis names in `marljax.sharding`.
+  b  batch rows (sequences, samples; the trainer's rows too)
+  t  positions of a sequence (the token axis; the queries in attention)
+  s  key positions attended to: the KV cache's columns (in the uncached pass the keys are the t axis)
+  p  prompt positions (the sampler's right-padded prompt block)
+  r  response positions (the response window of a sequence)
+  c  positions within one chunk;  n  chunks
+  e  embed: the model dimension (`hidden_size`)
+  h  query heads;  k  KV heads;  g  query heads per KV head (H = K·G)
+  d  head dimension (`head_dim`)
+  f  MLP hidden dimension (`intermediate_size`)
+  v  vocabulary
+  l  layers (the stacked leading axis of parameters and adapters)
+  1  an axis of size one
 """
 from __future__ import annotations
 
