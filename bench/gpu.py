@@ -29,10 +29,11 @@ import numpy as np
 from flax import nnx
 
 from marljax.models.decoder import Decoder
+from marljax.models.lora import LoRAConfig, init_lora
 from marljax.models.presets import PRESETS
-from marljax.rl.lora import LoRAConfig, init_lora
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack
-from marljax.sampling import SamplingParams, bucket, generate
+from marljax.sampling import SamplingParams, generate
+from marljax.shapes import bucket
 from benchdoc import publish  # bench/ is on sys.path when a script here runs
 from flops import train_flops
 

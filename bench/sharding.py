@@ -32,11 +32,11 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from marljax import sharding  # noqa: E402
-from marljax.config import MeshConfig  # noqa: E402
 from marljax.models.decoder import Decoder, ModelConfig  # noqa: E402
-from marljax.rl.lora import LoRAConfig, init_lora  # noqa: E402
+from marljax.models.lora import LoRAConfig, init_lora  # noqa: E402
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack  # noqa: E402
 from marljax.sampling import SamplingParams, generate  # noqa: E402
+from marljax.sharding import MeshConfig  # noqa: E402
 from benchdoc import machine, publish  # noqa: E402 — bench/ is on sys.path when a script here runs
 
 TITLE = "## Sharding (CPU, simulated devices)"

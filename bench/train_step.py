@@ -32,7 +32,7 @@ import numpy as np
 
 from marljax.models import load_model
 from roofline import matmul_gflops
-from marljax.rl.lora import LoRAConfig, init_lora
+from marljax.models.lora import LoRAConfig, init_lora
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from marljax.sharding import MeshConfig
 from marljax.tasks.data import task_kind
 from marljax.workflows.limits import paper_limits
 
@@ -122,17 +123,6 @@ class DiagnosticsSection:
     rollback_on_cliff: bool = False  # when the cliff detector fires, restore the peak checkpoint's state
     rollback_lr_scale: float | None = None  # after a rollback: None stops the run; a float continues, lr × it
     max_nonfinite: int = 3  # stop after this many non-finite losses in a row
-
-
-@dataclasses.dataclass
-class MeshConfig:
-    """Device mesh (see marljax.sharding): sizes of its data, fsdp and tensor axes, -1 = the rest."""
-
-    data: int = 1
-    fsdp: int = -1
-    tensor: int = 1
-    rules: str = "auto"  # auto (fsdp_tp when tensor > 1, else fsdp) | fsdp | fsdp_tp
-    lora: str = "sharded"  # sharded (by the base weight's rules) | replicated
 
 
 @dataclasses.dataclass

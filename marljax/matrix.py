@@ -37,11 +37,11 @@ import sys
 
 import yaml
 
-from marljax.config import Config, MeshConfig, resolve, to_dict
+from marljax.config import Config, resolve, to_dict
 from marljax.models.decoder import LINEAR_AXES, ModelConfig
 from marljax.models.presets import PRESETS
-from marljax.rl.step import length_bucket
-from marljax.sampling import bucket, bucket_rows
+from marljax.shapes import bucket, bucket_rows, length_bucket
+from marljax.sharding import MeshConfig
 from marljax.workflows.limits import Limits, paper_limits
 
 WORKFLOWS = ("eval_opt", "voting", "orch_workers")

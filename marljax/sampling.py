@@ -21,7 +21,8 @@ import numpy as np
 from flax import nnx
 
 from marljax.models.decoder import Decoder, init_cache
-from marljax.rl.lora import lora_delta, merged_weight
+from marljax.models.lora import lora_delta, merged_weight
+from marljax.shapes import bucket, bucket_rows
 from marljax.sharding import replicate
 
 
@@ -54,22 +55,6 @@ class SampleOutput:
     tokens: list[list[int]]
     logprobs: list[list[float]]
     finished: list[bool]
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """Smallest power of two ≥ max(n, minimum)."""
-    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
-
-
-def bucket_rows(n: int) -> int:
-    """Batch rows for n sequences: a power of two up to 8, then a multiple of max(8, bucket(n) / 16): at most
-    8 shapes per doubling, under 8 padding rows up to 128 and under 12.5% above (a power of two would pad
-    48 rows to 64, 288 to 512)."""
-    p = bucket(n)
-    if p <= 8:
-        return p
-    step = max(8, p // 16)
-    return -(-n // step) * step
 
 
 def generate(model: Decoder, prompts: list[list[int]], params: SamplingParams, *, lora=None,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -22,8 +23,6 @@ import jax
 import optax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
-
-from marljax.config import MeshConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 Rules = Mapping[str, "str | tuple[str, ...] | None"]
@@ -50,6 +49,17 @@ class ShardingError(ValueError):
 
 
 # ---- mesh -----------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class MeshConfig:
+    """Device mesh (a config's `mesh` section): sizes of its data, fsdp and tensor axes, -1 = the rest."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    rules: str = "auto"  # auto (fsdp_tp when tensor > 1, else fsdp) | fsdp | fsdp_tp
+    lora: str = "sharded"  # sharded (by the base weight's rules) | replicated
+
+
 def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
     """(data, fsdp, tensor) sizes with the one -1 resolved to "the rest of the devices"."""
     sizes = [cfg.data, cfg.fsdp, cfg.tensor]

@@ -35,14 +35,15 @@ from marljax.checkpoint import Checkpointer
 from marljax.config import Config, ConfigError, cli_config, describe, leaves, load_config, resolve, to_dict
 from marljax.metrics import MetricsLogger
 from marljax.models import load_model, load_tokenizer
+from marljax.models.lora import ALL_LINEAR, LoRAConfig, init_lora
 from marljax.models.tokenizer import ChatCodec
 from marljax.rl import policy_map as pm
 from marljax.rl.advantages import AdvantageConfig, compute_advantages
 from marljax.rl.diagnostics import AccuracyTracker, CliffConfig, DominanceTracker, LengthDrift
-from marljax.rl.lora import ALL_LINEAR, LoRAConfig, init_lora
 from marljax.rl.losses import LossConfig
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, train_batch
-from marljax.sampling import SamplingParams, bucket, generate, layer_weights
+from marljax.sampling import SamplingParams, generate, layer_weights
+from marljax.shapes import bucket
 from marljax.tasks.data import load_task
 from marljax.tasks.sandbox import MODES as SANDBOX_MODES
 from marljax.tasks.sandbox import require as require_sandbox

@@ -21,11 +21,11 @@ from flax import nnx
 
 from marljax import sharding
 from marljax.checkpoint import Checkpointer
-from marljax.config import MeshConfig
 from marljax.models.decoder import Decoder, ModelConfig
-from marljax.rl.lora import LoRAConfig, init_lora
+from marljax.models.lora import LoRAConfig, init_lora
 from marljax.rl.step import Sample, StepConfig, Trainer, train_batch
 from marljax.sampling import SamplingParams, generate
+from marljax.sharding import MeshConfig
 
 CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=4, head_dim=16, rope_theta=10_000.0)

@@ -7,7 +7,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from marljax.tasks.data import DataError, Problem, load_task, split_indices, task_dataset
+from marljax.tasks.data import DataError, load_task, split_indices, task_dataset
+from marljax.tasks.problem import Problem
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 GSM8K = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"

@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 from marljax.models.loading import load_model
+from marljax.models.lora import LoRAConfig, init_lora
 from marljax.models.presets import get_preset
-from marljax.rl.lora import LoRAConfig, init_lora
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack, train_batch
 from marljax.sampling import SamplingParams, generate, layer_weights
 

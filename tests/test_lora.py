@@ -7,7 +7,7 @@ from flax import nnx
 
 from marljax.models import load_model
 from marljax.models.decoder import Decoder, ModelConfig
-from marljax.rl.lora import LoRAConfig, export_merged, init_lora, merged_model
+from marljax.models.lora import LoRAConfig, export_merged, init_lora, merged_model
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
                   head_dim=8, tie_embeddings=False)

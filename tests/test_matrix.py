@@ -10,8 +10,8 @@ from flax import nnx
 from marljax import matrix
 from marljax.config import load_config
 from marljax.models.decoder import Decoder, init_cache
+from marljax.models.lora import LoRAConfig, init_lora
 from marljax.models.presets import PRESETS
-from marljax.rl.lora import LoRAConfig, init_lora
 from marljax.rl.step import make_optimizer
 from marljax.sampling import layer_weights
 

@@ -9,9 +9,8 @@ import pytest
 from flax import nnx
 
 from marljax.models.decoder import Decoder, ModelConfig
-from marljax.rl.lora import LoRAConfig, init_lora, merged_model
-from marljax.sampling import (SamplingParams, bucket, bucket_rows, choose, first_argmax, generate,
-                              layer_weights)
+from marljax.models.lora import LoRAConfig, init_lora, merged_model
+from marljax.sampling import SamplingParams, choose, first_argmax, generate, layer_weights
 
 CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, rope_theta=10_000.0, tie_embeddings=False)
@@ -118,15 +117,6 @@ def test_bad_sampling_params_are_rejected():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
-    assert bucket(1) == 1 and bucket(5) == 8 and bucket(3, 16) == 16
-
-
-def test_batch_rows_pad_little_and_take_few_shapes():
-    assert [bucket_rows(n) for n in (1, 3, 5, 8, 12, 48, 96, 100, 288)] == [1, 4, 8, 8, 16, 48, 96, 104, 288]
-    shapes = {bucket_rows(n) for n in range(129, 257)}
-    assert len(shapes) == 8 and all(r % 8 == 0 for r in shapes)  # 144, 160, ..., 256
-    for n in range(9, 2000):
-        assert n <= bucket_rows(n) < n * 1.125 + 8 and bucket_rows(bucket_rows(n)) == bucket_rows(n)
 
 
 @pytest.mark.parametrize("question", ["What is 12 + 35?", "Name three colors.",

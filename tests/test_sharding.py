@@ -14,9 +14,10 @@ from flax import nnx
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from marljax import sharding
-from marljax.config import MeshConfig, load_config
+from marljax.config import load_config
 from marljax.models.decoder import Decoder
 from marljax.models.presets import PRESETS
+from marljax.sharding import MeshConfig
 
 HERE = pathlib.Path(__file__).resolve().parent
 TOL = 1e-5

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from marljax.models.decoder import Decoder, ModelConfig
-from marljax.rl.lora import LoRAConfig, init_lora
+from marljax.models.lora import LoRAConfig, init_lora
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, minibatches, pack, train_batch
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 from marljax.models import load_model
-from marljax.rl.lora import LoRAConfig, init_lora
+from marljax.models.lora import LoRAConfig, init_lora
 from marljax.rl.losses import sequence_losses
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack
 

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from marljax.tasks.data import Problem
+from marljax.tasks.problem import Problem
 from marljax.workflows import EvalOpt, OrchWorkers, SingleAgent, Voting, get_workflow, rollout
 from marljax.workflows.base import Sample, last_boxed, stage_seed
 from marljax.workflows.evaluation import evaluate_workflow

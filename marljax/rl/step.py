@@ -47,7 +47,7 @@ from marljax.models.attention import check_attention
 from marljax.models.decoder import REMAT, Decoder
 from marljax.models.logprobs import target_logprobs
 from marljax.rl.losses import LossConfig, sequence_losses
-from marljax.sampling import bucket, bucket_rows
+from marljax.shapes import bucket, bucket_rows, length_bucket
 
 ROLE_WEIGHTINGS = ("count", "equal", "inverse_norm")
 MINIBATCH_MODES = ("paper", "balanced")
@@ -286,12 +286,6 @@ class Sample:
     advantage: float
     old_logprobs: list[float] | None = None
     sampler_logprobs: list[float] | None = None  # the sampler's, per response token (for `logp_gap`)
-
-
-def length_bucket(n: int) -> int:
-    """n rounded up to a multiple of a quarter of its power of two (≤ 25% padding, few shapes)."""
-    step = max(16, bucket(n) // 4)
-    return -(-n // step) * step
 
 
 def pack(samples: list[Sample], *, n_bucket: int | None = None) -> RoleBatch:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from marljax.tasks.data import Problem
+from marljax.tasks.problem import Problem
 
 _NAMES = ("Ava", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hugo", "Iris", "Jonas", "Kira", "Liam")
 _ITEMS = ("apples", "marbles", "stickers", "coins", "books", "pencils", "shells", "cards", "stamps")

@@ -1,4 +1,5 @@
-"""Problems and dataset loaders: every task yields `Problem`s with a prompt, a gold target and a reward.
+"""Dataset loaders: every task yields `Problem`s (marljax.tasks.problem) with a prompt, a gold target and a
+reward.
 
 A file-backed task is rows from a source, converted one by one into Problems:
   source = a file (.jsonl, .jsonl.gz, .json, .parquet), a directory holding {train,test}.<ext>, a
@@ -32,6 +33,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from marljax.tasks import arith, parity
+from marljax.tasks.problem import Problem
 from marljax.tasks.sandbox import MODES
 
 if TYPE_CHECKING:
@@ -41,30 +44,6 @@ log = logging.getLogger(__name__)
 
 SPLITS = ("train", "test", "all")
 _EXTENSIONS = (".jsonl", ".jsonl.gz", ".json", ".parquet")
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """One task instance. `kind` selects the reward: "math" grades `answer`, "code" runs `tests` under
-    the isolation `sandbox` ("bwrap" | "rlimits", from `task.sandbox`; see marljax.tasks.sandbox)."""
-
-    id: str
-    question: str
-    kind: str  # "math" | "code"
-    answer: str | None = None
-    tests: tuple[dict[str, Any], ...] | None = None
-    meta: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
-    sandbox: str = "bwrap"
-
-    def reward(self, response: str) -> float:
-        """Binary reward of a final response text (1.0 or 0.0)."""
-        if self.kind == "math":
-            from marljax.tasks.math import grade
-            return grade(response, self.answer)
-        if self.kind == "code":
-            from marljax.tasks.code import grade_code
-            return grade_code(response, list(self.tests or ()), sandbox=self.sandbox)
-        raise ValueError(f"Problem {self.id!r}: unknown kind {self.kind!r}; expected 'math' or 'code'.")
 
 
 class DataError(ValueError):
@@ -402,15 +381,14 @@ def load_task(name: str, path: str | None = None, split: str = "train", seed: in
     if sandbox not in MODES:
         raise ValueError(f"sandbox={sandbox!r}; expected one of {MODES} (task.sandbox).")
     if name == "arith":
-        from marljax.tasks.arith import ArithConfig, generate
         if path is not None:
             raise ValueError("task 'arith' is generated; it takes no path.")
-        return generate(1000 if limit is None else limit, seed=seed, split=split, config=ArithConfig(**options))
+        return arith.generate(1000 if limit is None else limit, seed=seed, split=split,
+                              config=arith.ArithConfig(**options))
     if name == "parity":  # a pipeline smoke test for random models (marljax/tasks/parity.py)
-        from marljax.tasks.parity import generate
         if path is not None or options:
             raise ValueError("task 'parity' is generated; it takes no path and no options.")
-        return generate(1000 if limit is None else limit, seed=seed, split=split)
+        return parity.generate(1000 if limit is None else limit, seed=seed, split=split)
     if name not in _CONVERTERS:
         raise ValueError(f"unknown task {name!r}; expected one of {TASKS}.")
     row_filter = _FILTERS.get(name)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from marljax.tasks.data import Problem
+from marljax.tasks.problem import Problem
 
 _WORDS = ("red", "blue", "green", "stone", "river", "cloud", "seven", "lamp", "orbit", "maple")
 

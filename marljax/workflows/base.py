@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from marljax.tasks.data import Problem
+from marljax.tasks.problem import Problem
 from marljax.workflows.prompts import PromptSet, prompt_set
 
 GENERATOR = "generator"

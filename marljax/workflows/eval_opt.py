@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from marljax.tasks.data import Problem
+from marljax.tasks.problem import Problem
 from marljax.workflows.base import (EVALUATOR, GENERATOR, CallRecord, EpisodeScript, Outcome, RoleCall, Workflow,
                                     assistant, last_boxed, user)
 from marljax.workflows.limits import MAX_ITERATIONS

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from marljax.tasks.data import Problem
+from marljax.tasks.problem import Problem
 from marljax.workflows.base import ChatCodec, RewardFn, Rollout, SampleFn, Workflow, grade_serially, rollout
 from marljax.workflows.metrics import rollout_metrics
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from marljax.tasks.data import Problem
+from marljax.tasks.problem import Problem
 from marljax.workflows.base import (ORCHESTRATOR, SYNTHESIZER, WORKER, EpisodeScript, Outcome, RoleCall, Workflow,
                                     user)
 from marljax.workflows.prompts import format_solutions

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from marljax.tasks.data import Problem
+from marljax.tasks.problem import Problem
 from marljax.workflows.base import GENERATOR, EpisodeScript, Outcome, RoleCall, Workflow, user
 
 

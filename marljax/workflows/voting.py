@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from marljax.tasks.data import Problem
+from marljax.tasks.problem import Problem
 from marljax.workflows.base import AGGREGATOR, GENERATOR, EpisodeScript, Outcome, RoleCall, Workflow, user
 from marljax.workflows.prompts import format_solutions
 

@@ -12,12 +12,14 @@ jit argument.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from marljax.models.decoder import LINEAR_AXES, Decoder, ModelConfig
+from marljax.models.loading import save_hf
 
 ALL_LINEAR = tuple(LINEAR_AXES)
 
@@ -91,9 +93,6 @@ def merged_weight(w, delta):
 
 def export_merged(model: Decoder, adapters: dict[str, dict], scale: float, out_dir, tokenizer=None) -> dict:
     """Write each parameter set, merged into the base, as an HF safetensors checkpoint out_dir/<set>."""
-    import pathlib
-
-    from marljax.models.loading import save_hf
     paths = {}
     for set_name, adapter in adapters.items():
         path = pathlib.Path(out_dir) / set_name
