@@ -27,7 +27,7 @@ import numpy as np
 from marljax.models import load_model
 from flops import decode_flops, prefill_flops
 from roofline import matmul_gflops
-from marljax.models.loading import smollm2_gguf_path
+from marljax.models.sources import smollm2_gguf_path
 from marljax.sampling import SamplingParams, generate, layer_weights
 
 PROMPT, NEW = 64, 64

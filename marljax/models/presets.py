@@ -1,4 +1,4 @@
-"""Named model architectures. Weights are resolved by `marljax.models.loading`, never downloaded.
+"""Named model architectures. Weights are found by `marljax.models.sources`, never downloaded.
 
 Qwen3 sizes follow the released checkpoints' config.json (Qwen/Qwen3-0.6B, -1.7B, -4B: all tie the
 embeddings, rms eps 1e-6, rope theta 1e6, 8 KV heads of dim 128). SmolLM2-135M-Instruct matches the

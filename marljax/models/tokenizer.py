@@ -13,8 +13,8 @@ import importlib.util
 import os
 from pathlib import Path
 
-from marljax.models.loading import resolve_preset
-from marljax.models.presets import HUB_IDS, PRESETS, RANDOM_PRESETS
+from marljax.models.presets import HUB_IDS, RANDOM_PRESETS
+from marljax.models.sources import resolve_source
 
 # The Qwen2/Qwen3 pre-tokenizer split (the same regex tiktoken's Qwen encoding uses).
 QWEN_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -175,21 +175,15 @@ def load_tokenizer(source: str | os.PathLike):
     name = str(source)
     if name in RANDOM_PRESETS:
         return qwen3_tokenizer()
-    if name in PRESETS:
-        qwen3 = name in HUB_IDS  # Qwen3 presets fall back to the built-in tokenizer
-        try:
-            path = resolve_preset(name)
-        except FileNotFoundError:
-            if not qwen3:
-                raise
-            return qwen3_tokenizer()
-        if qwen3 and not _has_tokenizer_files(path):
-            return qwen3_tokenizer()
-    else:
-        path = Path(source)
-        if not path.exists():
-            raise FileNotFoundError(f"{name!r} is neither a model preset ({', '.join(PRESETS)}) "
-                                    "nor an existing checkpoint dir or .gguf file.")
+    qwen3 = name in HUB_IDS  # Qwen3 presets fall back to the built-in tokenizer
+    try:
+        path = resolve_source(source)
+    except FileNotFoundError:
+        if not qwen3:
+            raise
+        return qwen3_tokenizer()
+    if qwen3 and not _has_tokenizer_files(path):
+        return qwen3_tokenizer()
     if path.suffix == ".gguf":
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     if not _has_tokenizer_files(path):
