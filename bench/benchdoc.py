@@ -1,11 +1,12 @@
 """docs/*.md I/O shared by the benchmark scripts: the machine line and section replacement. Import it before
-jax: it imports marljax, whose import keeps freed host memory (marljax/host_memory.py)."""
+jax: it keeps freed host memory for the script, as the CLIs do (marljax/host_memory.py)."""
 import os
 import pathlib
 import platform
 
-import marljax  # before jax: keeps freed host memory (marljax/host_memory.py)
 from marljax import host_memory
+
+host_memory.retain()  # before jax: keeps freed host memory (marljax/host_memory.py)
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 

@@ -20,7 +20,7 @@ MALLOCS, REMATS = ("retain", "system"), ("dots", "full")
 
 def worker(remat: str, rows: int, length: int) -> None:
     """Build one LoRA contender, then answer each line on stdin with one timed step as JSON."""
-    from train_step import Contender, random_batch  # imports marljax before jax (host malloc per env)
+    from train_step import Contender, random_batch  # keeps host memory before jax (per env)
 
     from marljax import host_memory
     from marljax.models import load_model

@@ -35,7 +35,8 @@ def main():
     module = "_sample" if args.what == "sampler" else "_update"
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={work}/hlo "
                                f"--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*{module}.*")
-    import marljax  # noqa: F401  (before jax: keeps freed host memory, marljax/host_memory.py)
+    from marljax import host_memory
+    host_memory.retain()  # before jax: keeps freed host memory (marljax/host_memory.py)
     import jax
     import numpy as np
 

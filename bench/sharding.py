@@ -25,7 +25,9 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 
-import marljax  # noqa: E402,F401  (before jax: keeps freed host memory, marljax/host_memory.py)
+from marljax import host_memory  # noqa: E402
+
+host_memory.retain()  # before jax: keeps freed host memory (marljax/host_memory.py)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -1,4 +1,2 @@
-"""marljax: end-to-end RL of multi-agent LLM workflows in JAX."""
-from marljax import host_memory
-
-host_memory.retain()  # before anything imports jax: see marljax/host_memory.py
+"""marljax: end-to-end RL of multi-agent LLM workflows in JAX. Importing it changes nothing global
+(the CLIs opt in to keeping freed host memory: marljax/host_memory.py)."""

@@ -12,6 +12,10 @@ the base and the keys that depart from the paper's settings. The last line print
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # the CLI keeps freed host memory: before anything imports jax
+    from marljax import host_memory
+    host_memory.opt_in("marljax.evaluate")
+
 import argparse
 import json
 import pathlib

@@ -1,6 +1,10 @@
 """`python -m marljax.generate --model M --prompt "..." [--chat] [--max-new-tokens N]`: print a completion."""
 from __future__ import annotations
 
+if __name__ == "__main__":  # the CLI keeps freed host memory: before anything imports jax
+    from marljax import host_memory
+    host_memory.opt_in("marljax.generate")
+
 import argparse
 import sys
 

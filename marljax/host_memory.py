@@ -8,8 +8,12 @@ trimming make the heap keep it: no faults. The price: the process keeps its peak
 a temp buffer in the background, back-to-back calls can leave several copies in it (fewer when rollouts
 separate the steps; `bench/peak_rss.py` measures a command's peak). Measurements: docs/benchmarks.md.
 
-`retain()` must run before jax is imported (jaxlib's threads pick their arena at their first `malloc`),
-so importing marljax calls it. `MARLJAX_HOST_MALLOC`: `auto` (default) keeps memory unless a TPU or GPU
+`retain()` must run before jax is imported (jaxlib's threads pick their arena at their first `malloc`).
+Importing marljax changes nothing; each entry point opts in. A CLI module run as `python -m marljax.X`
+calls `opt_in` at its top, under `if __name__ == "__main__":` and before its own imports (the package's
+`__init__`, which runpy runs first, imports no jax), so importing the module as a library stays free of
+side effects; the opt-in prints one line on stderr saying what it did. The bench scripts call `retain()`
+through bench/benchdoc.py, the test session in tests/conftest.py. `MARLJAX_HOST_MALLOC`: `auto` (default) keeps memory unless a TPU or GPU
 plugin for jax is installed (and `JAX_PLATFORMS` is not `cpu`), where temp buffers live on the device and
 one arena for a large host's many threads would only add contention; `retain` always keeps it; `system`
 leaves malloc alone (use it where resident memory matters more than step time). Non-glibc: nothing done.
@@ -53,10 +57,19 @@ def retain() -> str:
     elif platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         state = f"off (not glibc: {platform.system()} {platform.libc_ver()[0] or 'unknown libc'})"
     elif "jax" in sys.modules or "jaxlib" in sys.modules:
-        state = "off (jax was imported before marljax; import marljax first to keep host memory)"
+        state = "off (jax was imported first; call host_memory.retain() before importing jax to keep host memory)"
     else:
         libc = ctypes.CDLL("libc.so.6")
         # mallopt's -1 trim threshold disables trimming (mallopt(3)); each call returns 1 on success.
         ok = (libc.mallopt(_M_ARENA_MAX, 1), libc.mallopt(_M_MMAP_MAX, 0), libc.mallopt(_M_TRIM_THRESHOLD, -1))
         state = "retained" if all(ok) else f"off (mallopt refused: {ok})"
     return state
+
+
+def opt_in(program: str) -> str:
+    """A CLI's opt-in, run before it imports jax: `retain()`, then one line on stderr saying what it did."""
+    mode = f"MARLJAX_HOST_MALLOC={os.environ.get('MARLJAX_HOST_MALLOC', 'auto')}"
+    done = retain()
+    print(f"{program}: host malloc {done}{'' if mode in done else f' ({mode})'}; see marljax/host_memory.py",
+          file=sys.stderr)
+    return done

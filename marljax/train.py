@@ -14,6 +14,10 @@ detector fires, then stops or continues at a scaled learning rate.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # the CLI keeps freed host memory: before anything imports jax
+    from marljax import host_memory
+    host_memory.opt_in("marljax.train")
+
 import argparse
 import json
 import math

@@ -17,7 +17,9 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettemp
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import marljax  # noqa: E402,F401  (before any test imports jax: the malloc users get, marljax/host_memory.py)
+from marljax import host_memory  # noqa: E402
+
+host_memory.retain()  # before any test imports jax: the malloc the CLIs set (marljax/host_memory.py)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""Importing marljax keeps freed host memory (glibc), so XLA CPU's per-call temp buffer is not faulted in
-again on every call (marljax/host_memory.py)."""
+"""The CLIs keep freed host memory (glibc), so XLA CPU's per-call temp buffer is not faulted in again on
+every call; importing marljax changes nothing (marljax/host_memory.py)."""
 import os
 import platform
 import subprocess
@@ -13,8 +13,9 @@ import pytest
 # allocates a second buffer, and the kept heap grows by one. A train loop's rollouts give that pause.)
 _PROBE = """
 import resource, statistics, time
-import marljax, jax, jax.numpy as jnp
 from marljax import host_memory
+host_memory.retain()
+import jax, jax.numpy as jnp
 f = jax.jit(lambda x: ((x @ x.T) @ x).sum() + (jnp.exp(x @ x.T) @ x).sum())
 x = jnp.ones((4096, 256), jnp.float32) / 4096
 faults = []
@@ -51,10 +52,55 @@ def test_temp_buffer_is_not_faulted_in_again_on_every_call():
 
 
 def test_retention_is_skipped_with_a_reason_when_jax_came_first():
-    out = subprocess.run([sys.executable, "-c", "import jax, marljax; print(marljax.host_memory.state)"],
+    out = subprocess.run([sys.executable, "-c", "import jax; from marljax import host_memory; print(host_memory.retain())"],
                          env={**os.environ, "MARLJAX_HOST_MALLOC": "retain"}, capture_output=True, text=True,
                          check=True)
-    assert "jax was imported before marljax" in out.stdout
+    assert "jax was imported first" in out.stdout
+
+
+# mallopt's settings cannot be read back; what they do can: the process's malloc arenas (malloc_info's <heap>
+# entries) after 8 threads each allocated: one when retained (M_ARENA_MAX=1), about one per thread otherwise.
+_ARENAS = """
+import ctypes, os, sys, threading
+{setup}
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+def work():
+    libc.free(libc.malloc(1000))
+threads = [threading.Thread(target=work) for _ in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+libc.open_memstream.restype = ctypes.c_void_p
+buf, size = ctypes.c_char_p(), ctypes.c_size_t()
+f = libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
+libc.malloc_info(0, ctypes.c_void_p(f))
+libc.fclose(ctypes.c_void_p(f))
+print(buf.value.decode().count("<heap nr="), host_memory.state)
+"""
+
+
+def _arenas(setup: str, *args: str) -> tuple[int, str]:
+    out = subprocess.run([sys.executable, "-c", _ARENAS.format(setup=setup), *args], capture_output=True, text=True,
+                         env={**os.environ, "MARLJAX_HOST_MALLOC": "auto", "JAX_PLATFORMS": "cpu"}, check=True)
+    arenas, state = out.stdout.strip().split(" ", 1)
+    return int(arenas), state
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                    reason="host memory retention is glibc-only (mallopt); this platform leaves malloc alone")
+def test_importing_marljax_changes_no_malloc_setting_and_the_cli_path_does():
+    imported, state = _arenas("import marljax, marljax.train, marljax.evaluate, marljax.generate\n"
+                              "from marljax import host_memory")
+    assert state == "not run" and imported > 1, (imported, state)
+    retained, state = _arenas("from marljax import host_memory\nhost_memory.opt_in('probe')")
+    assert state == "retained" and retained == 1, (retained, state)
+
+
+def test_the_cli_opts_in_and_says_so():
+    out = subprocess.run([sys.executable, "-m", "marljax.train", "--print-config", "model=tiny-qwen3"],
+                         env={**os.environ, "MARLJAX_HOST_MALLOC": "system"}, capture_output=True, text=True, check=True)
+    assert out.stderr.splitlines()[0] == ("marljax.train: host malloc off (MARLJAX_HOST_MALLOC=system); "
+                                          "see marljax/host_memory.py")
 
 
 def _state(tmp_path, **env) -> subprocess.CompletedProcess:
@@ -63,7 +109,7 @@ def _state(tmp_path, **env) -> subprocess.CompletedProcess:
     (tmp_path / "libtpu").mkdir(exist_ok=True)
     (tmp_path / "libtpu" / "__init__.py").write_text("")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", **env}
-    return subprocess.run([sys.executable, "-c", "import marljax; print(marljax.host_memory.state)"],
+    return subprocess.run([sys.executable, "-c", "from marljax import host_memory; print(host_memory.retain())"],
                           env={k: v for k, v in env.items() if v is not None}, capture_output=True, text=True)
 
 
