@@ -3,7 +3,7 @@
 Prompts are right-padded into one [B, P] block and every row writes its KV cache at columns equal to
 its own positions, so a prompt's output does not depend on what else is in the batch. Shapes are
 bucketed (`bucket_rows` for the batch, powers of two for the prompt length) so a run compiles a handful of
-times.
+times. Shape suffixes: the legend in marljax/models/decoder.py.
 
 Returned logprobs are the log-probabilities of the sampled tokens under the tempered distribution they
 were drawn from, log_softmax(logits / temperature) (the raw logits at temperature 0), before top-p / top-k
@@ -151,8 +151,8 @@ def _sample(graphdef, state, layers, lora, tokens_bp, lengths_b, live_b, key, lo
     cache = init_cache(model.config, B, P + max_new)
     stop_ids = jnp.asarray(stops, jnp.int32)
 
-    def pick(h_bd, step, key):
-        logits_bv = model.logits(h_bd)
+    def pick(h_be, step, key):
+        logits_bv = model.logits(h_be)
         tok_b = choose(logits_bv, jax.random.fold_in(key, step), temperature, top_p, top_k)
         tempered_bv = logits_bv / temperature if temperature > 0 else logits_bv
         logit_b = jnp.take_along_axis(tempered_bv, tok_b[:, None], 1)[:, 0]
@@ -161,9 +161,9 @@ def _sample(graphdef, state, layers, lora, tokens_bp, lengths_b, live_b, key, lo
 
     if layers is None:
         layers = model.layer_list()  # sliced once here, not on every decode step
-    h_bpd, cache = model.hidden(tokens_bp, cache=cache, lora=lora, lora_scale=lora_scale, layers=layers)
-    last_bd = jnp.take_along_axis(h_bpd, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
-    tok_b, logp_b = pick(last_bd, 0, key)
+    h_bpe, cache = model.hidden(tokens_bp, cache=cache, lora=lora, lora_scale=lora_scale, layers=layers)
+    last_be = jnp.take_along_axis(h_bpe, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
+    tok_b, logp_b = pick(last_be, 0, key)
     out_tok = jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(tok_b)
     out_logp = jnp.zeros((B, max_new), jnp.float32).at[:, 0].set(logp_b)
     n_out = jnp.where(live_b, 1, 0)

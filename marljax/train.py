@@ -51,8 +51,7 @@ from marljax.shapes import bucket
 from marljax.tasks.data import load_task
 from marljax.tasks.sandbox import MODES as SANDBOX_MODES
 from marljax.tasks.sandbox import require as require_sandbox
-from marljax.workflows import Sample as WorkflowSample
-from marljax.workflows import get_workflow, rollout
+from marljax.workflows import Completion, get_workflow, rollout
 from marljax.workflows.evaluation import evaluate_workflow
 from marljax.workflows.metrics import rollout_metrics
 
@@ -179,7 +178,7 @@ class Run:
     def sample_fn(self, temperature: float):
         cfg = self.cfg
 
-        def fn(set_name: str, prompts: list[list[int]], seed: int) -> list[WorkflowSample]:
+        def fn(set_name: str, prompts: list[list[int]], seed: int) -> list[Completion]:
             samples = []
             # One per-layer copy of the weights per call, LoRA folded in, serves every chunk: decoding
             # then costs the base's matmuls only, and the sampler's jit does not recompile per set.
@@ -197,7 +196,7 @@ class Run:
                                     stop_token_ids=tuple(self.codec.stop_token_ids), seed=chunk_seed)
                 with sharding.use_mesh(self.mesh, self.rules):
                     out = generate(model, chunk, sp, layers=layers)
-                samples += [WorkflowSample(t, lp, not fin)
+                samples += [Completion(t, lp, not fin)
                             for t, lp, fin in zip(out.tokens, out.logprobs, out.finished)]
             return samples
         return fn

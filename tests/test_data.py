@@ -4,10 +4,11 @@ import logging
 import math
 import pathlib
 
+import grain
 import numpy as np
 import pytest
 
-from marljax.tasks.data import DataError, load_task, split_indices, task_dataset
+from marljax.tasks.data import DataError, load_task, split_indices
 from marljax.tasks.problem import Problem
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -189,7 +190,7 @@ def test_parity_through_the_registry():
 
 
 def test_grain_dataset():
-    ds = task_dataset("gsm8k", path=fixture("gsm8k.jsonl"), split="all")
+    ds = grain.MapDataset.source(load_task("gsm8k", path=fixture("gsm8k.jsonl"), split="all"))
     assert len(ds) == 3 and isinstance(ds[0], Problem)
     assert sorted(p.answer for p in ds.shuffle(seed=0)) == sorted(["12", "2,125", "4.5"])
 

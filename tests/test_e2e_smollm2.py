@@ -16,7 +16,7 @@ from marljax.sampling import SamplingParams, generate
 from marljax.tasks.code import grade_code
 from marljax.tasks.data import load_task
 from marljax.tasks.math import grade
-from marljax.workflows import Sample, get_workflow
+from marljax.workflows import Completion, get_workflow
 from marljax.workflows.evaluation import evaluate_workflow
 
 GSM8K = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
@@ -34,7 +34,7 @@ def smollm2(smollm2_gguf):
         assert set_name == "base"
         out = generate(model, prompts, SamplingParams(max_new_tokens=48, temperature=0.7, seed=seed,
                                                       stop_token_ids=codec.stop_token_ids))
-        return [Sample(t, lp, not f) for t, lp, f in zip(out.tokens, out.logprobs, out.finished)]
+        return [Completion(t, lp, not f) for t, lp, f in zip(out.tokens, out.logprobs, out.finished)]
     return sample_fn, codec
 
 

@@ -20,7 +20,7 @@ import sandbox_probe
 from marljax.tasks import sandbox
 from marljax.tasks.code import PER_TEST_TIMEOUT_S, grade_code
 from marljax.tasks.data import load_task
-from marljax.tasks.sandbox import run_many, run_python
+from marljax.tasks.sandbox import RunResult, executor, run_python
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MODES = ["bwrap", "rlimits"]
@@ -86,6 +86,12 @@ def test_output_written_just_before_exit_is_not_lost(mode, monkeypatch):
 
     monkeypatch.setattr(sandbox.selectors, "DefaultSelector", LateSelector)
     assert [run_python("print('data')", isolation=mode).stdout for _ in range(3)] == ["data\n"] * 3
+
+
+def run_many(sources: list[str], stdins: list[str], **kwargs) -> list[RunResult]:
+    """Programs run on the shared `executor()`, results in input order."""
+    futures = [executor().submit(run_python, s, i, **kwargs) for s, i in zip(sources, stdins, strict=True)]
+    return [f.result() for f in futures]
 
 
 def test_run_many_keeps_order_and_runs_in_parallel(mode):

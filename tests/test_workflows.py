@@ -11,7 +11,7 @@ import pytest
 
 from marljax.tasks.problem import Problem
 from marljax.workflows import EvalOpt, OrchWorkers, SingleAgent, Voting, get_workflow, rollout
-from marljax.workflows.base import Sample, last_boxed, stage_seed
+from marljax.workflows.base import Completion, last_boxed, stage_seed
 from marljax.workflows.evaluation import evaluate_workflow
 from marljax.workflows.eval_opt import parse_verdict
 from marljax.workflows.metrics import rollout_metrics
@@ -46,8 +46,8 @@ SHARED = {r: "shared" for r in ROLES}
 def encode(text, max_tokens=10_000):
     ids = list(text.encode())
     if len(ids) >= max_tokens:
-        return Sample(ids[:max_tokens], [-1.0] * max_tokens, True)
-    return Sample(ids + [STOP], [-1.0] * (len(ids) + 1), False)
+        return Completion(ids[:max_tokens], [-1.0] * max_tokens, True)
+    return Completion(ids + [STOP], [-1.0] * (len(ids) + 1), False)
 
 
 class ScriptedPolicy:

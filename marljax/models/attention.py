@@ -14,7 +14,8 @@ materialise T×T scores.
   auto       by backend, dtype and length (`resolve_attention`)
 The mask is the decoder's: query t sees key s iff positions[s] ≤ positions[t] and kv_mask[s]. Rows
 that see no key at all give 0 (dense gives the mean of all values there: both are padding).
-Shapes: q [B, T, H, Dh], k and v [B, T, K, Dh], H = K·G (grouped-query), positions [B, T].
+Shapes: q [B, T, H, D], k and v [B, T, K, D], H = K·G (grouped-query), positions [B, T] (the letters:
+the legend in marljax/models/decoder.py).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def resolve_attention(name: str, length: int, dtype, backend: str | None = None)
 
 
 def causal_attention(q_bthd, k_btkd, v_btkd, positions_bt, kv_mask_bt, impl: str):
-    """Masked grouped-query attention [B, T, H, Dh] by implementation `impl` (not `auto`: resolve it
+    """Masked grouped-query attention [B, T, H, D] by implementation `impl` (not `auto`: resolve it
     first). `kv_mask_bt` (or None) marks real keys; `cudnn` and `splash` read it as right padding
     (a prefix of ones per row) and the positions as increasing along each row."""
     if impl == "dense":
@@ -74,9 +75,9 @@ def causal_attention(q_bthd, k_btkd, v_btkd, positions_bt, kv_mask_bt, impl: str
 
 # ---- dense -------------------------------------------------------------------------------------
 # Per kv layout, the two batched matmuls of `attention`, in the forms XLA CPU runs fastest (measured):
-# "cache" (keys [B, K, S, Dh], values [B, K, Dh, S]; decode reads the KV cache in place, T = 1 query) and
-# "train" (keys [B, K, Dh, S], values [B, K, S, Dh]; the uncached pass over a whole sequence, where each
-# (b, k) becomes one [G·T, Dh] @ [Dh, S] matmul: 0.94 vs 1.0 of the LoRA step time with remat=full).
+# "cache" (keys [B, K, S, D], values [B, K, D, S]; decode reads the KV cache in place, T = 1 query) and
+# "train" (keys [B, K, D, S], values [B, K, S, D]; the uncached pass over a whole sequence, where each
+# (b, k) becomes one [G·T, D] @ [D, S] matmul: 0.94 vs 1.0 of the LoRA step time with remat=full).
 ATTENTION_LAYOUTS = {
     "cache": ("btkgd,bksd->bkgts", "bkgts,bkds->btkgd"),
     "train": ("bkgtd,bkds->bkgts", "bkgts,bksd->bkgtd"),
@@ -88,21 +89,21 @@ def attention(q_bthd, k, v, mask_bts, layout: str = "cache"):
 
     `layout` names the key/value layouts (see `ATTENTION_LAYOUTS`); both give the same numbers.
     """
-    B, T, H, Dh = q_bthd.shape
+    B, T, H, D = q_bthd.shape
     K = k.shape[1]
     scores_spec, out_spec = ATTENTION_LAYOUTS[layout]
-    q = q_bthd.reshape(B, T, K, H // K, Dh)
+    q = q_bthd.reshape(B, T, K, H // K, D)
     if layout == "train":
         q = q.transpose(0, 2, 3, 1, 4)
     scores = jnp.einsum(scores_spec, q, k, preferred_element_type=jnp.float32)
-    scores = scores * (Dh ** -0.5)
+    scores = scores * (D ** -0.5)
     # A finite floor (not -inf) keeps fully masked padding rows NaN-free in value and gradient.
     scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum(out_spec, probs.astype(v.dtype), v)
     if layout == "train":
         out = out.transpose(0, 3, 1, 2, 4)
-    return out.reshape(B, T, H, Dh)
+    return out.reshape(B, T, H, D)
 
 
 # ---- cuDNN (GPU) -------------------------------------------------------------------------------
@@ -127,7 +128,7 @@ def splash_attention(q_bthd, k_btkd, v_btkd, kv_mask_bt=None, *, interpret: bool
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-    B, T, H, Dh = q_bthd.shape
+    B, T, H, D = q_bthd.shape
     K, G = k_btkd.shape[2], H // k_btkd.shape[2]
     pad = -T % SPLASH_BLOCK
     Tp = T + pad
@@ -140,18 +141,18 @@ def splash_attention(q_bthd, k_btkd, v_btkd, kv_mask_bt=None, *, interpret: bool
     real_bt = jnp.ones((B, T), bool) if kv_mask_bt is None else kv_mask_bt
     segment_bt = jnp.pad(real_bt, ((0, 0), (0, pad))).astype(jnp.int32)
     along_t = ((0, 0), (0, pad), (0, 0), (0, 0))
-    q = jnp.pad(q_bthd * jnp.asarray(Dh ** -0.5, q_bthd.dtype), along_t)  # the kernel does not scale
-    q = q.reshape(B, Tp, K, G, Dh).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, Dh]
-    k, v = (jnp.pad(x, along_t).transpose(0, 2, 1, 3) for x in (k_btkd, v_btkd))  # [B, K, T, Dh]
+    q = jnp.pad(q_bthd * jnp.asarray(D ** -0.5, q_bthd.dtype), along_t)  # the kernel does not scale
+    q = q.reshape(B, Tp, K, G, D).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
+    k, v = (jnp.pad(x, along_t).transpose(0, 2, 1, 3) for x in (k_btkd, v_btkd))  # [B, K, T, D]
     per_row = jax.vmap(kernel, in_axes=(0, 0, 0, None))  # over KV heads
     out = jax.vmap(per_row)(q, k, v, splash.SegmentIds(q=segment_bt, kv=segment_bt))
-    return out.transpose(0, 3, 1, 2, 4).reshape(B, Tp, H, Dh)[:, :T]
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, Tp, H, D)[:, :T]
 
 
 # ---- blockwise ---------------------------------------------------------------------------------
 def blockwise_attention(q_bthd, k_btkd, v_btkd, positions_bt, kv_mask_bt, block: int = BLOCK):
     """The blockwise implementation (see the module docstring); T need not be a multiple of `block`."""
-    B, T, H, Dh = q_bthd.shape
+    B, T, H, D = q_bthd.shape
     K = k_btkd.shape[2]
     c = min(block, T)
     pad = -T % c
@@ -159,13 +160,13 @@ def blockwise_attention(q_bthd, k_btkd, v_btkd, positions_bt, kv_mask_bt, block:
     def padded(x, value=0):  # along T, to whole chunks
         return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
 
-    # [B, K, G, T, Dh] queries and [B, K, T, Dh] keys/values: one (b, k) matmul of G·c rows per chunk
-    q = padded(q_bthd).reshape(B, T + pad, K, H // K, Dh).transpose(0, 2, 3, 1, 4)
+    # [B, K, G, T, D] queries and [B, K, T, D] keys/values: one (b, k) matmul of G·c rows per chunk
+    q = padded(q_bthd).reshape(B, T + pad, K, H // K, D).transpose(0, 2, 3, 1, 4)
     k, v = (padded(x).transpose(0, 2, 1, 3) for x in (k_btkd, v_btkd))
     qpos_bt = padded(positions_bt, -1)  # padded queries see nothing
     kpos_bt = jnp.where(padded(kv_mask_bt, False), padded(positions_bt), jnp.iinfo(jnp.int32).max)
     out = _flash(q, k, v, qpos_bt.astype(jnp.int32), kpos_bt.astype(jnp.int32), c)
-    return out.transpose(0, 3, 1, 2, 4).reshape(B, T + pad, H, Dh)[:, :T]
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T + pad, H, D)[:, :T]
 
 
 def _chunk(x, i, c, axis):
@@ -199,7 +200,7 @@ def _loop(n: int, body, carry):
 
 
 def _forward(q, k, v, qpos_bt, kpos_bt, c):
-    """Output [B, K, G, T, Dh] and log-sum-exp [B, K, G, T] (+inf on rows that see no key)."""
+    """Output [B, K, G, T, D] and log-sum-exp [B, K, G, T] (+inf on rows that see no key)."""
     need = _needed(qpos_bt, kpos_bt, c)
     n = q.shape[3] // c
 

@@ -113,12 +113,12 @@ def rms_norm(x, scale, eps):
 
 
 def rope_tables(positions_bt, head_dim: int, theta):
-    """cos and sin [B, T, 1, head_dim/2] of the rotary angles, made once per forward pass: inside the
+    """cos and sin [B, T, 1, D/2] of the rotary angles, made once per forward pass: inside the
     (rematerialised) layer XLA would fuse them into RoPE's elementwise pass, one sin/cos per head."""
     half = head_dim // 2
     inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
-    ang_bth = positions_bt.astype(jnp.float32)[:, :, None] * inv_freq
-    return jnp.cos(ang_bth)[:, :, None, :], jnp.sin(ang_bth)[:, :, None, :]
+    angles = positions_bt.astype(jnp.float32)[:, :, None] * inv_freq  # [B, T, D/2]
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
 
 
 def rope(x_bthd, cos, sin):
@@ -151,7 +151,7 @@ def linear(x, w, name: str, lora_layer: dict | None, lora_scale: float, n_in: in
 
 
 class Decoder(nnx.Module):
-    """Token ids [B, T] → logits [B, T, vocab]; see module docstring for the cache and LoRA inputs."""
+    """Token ids [B, T] → logits [B, T, V]; see module docstring for the cache and LoRA inputs."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = c = config
@@ -189,19 +189,19 @@ class Decoder(nnx.Module):
         logits = self.logits(h)
         return logits if cache is None else (logits, new_cache)
 
-    def logits(self, h_btd):
-        """Final norm + (tied) output projection, float32 logits."""
+    def logits(self, h_bte):
+        """Final norm + (tied) output projection, float32 logits [..., V] of hidden states [..., E]."""
         c = self.config
-        h = rms_norm(h_btd, self.final_norm[...], c.rms_norm_eps)
-        if c.tie_embeddings:  # contract with the [V, D] table as stored: no transposed copy per call
-            logits = jnp.einsum("...d,vd->...v", h, self.embed[...], preferred_element_type=jnp.float32)
+        h = rms_norm(h_bte, self.final_norm[...], c.rms_norm_eps)
+        if c.tie_embeddings:  # contract with the [V, E] table as stored: no transposed copy per call
+            logits = jnp.einsum("...e,ve->...v", h, self.embed[...], preferred_element_type=jnp.float32)
         else:
-            logits = jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
+            logits = jnp.einsum("...e,ev->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", *("length",) * (logits.ndim - 2), "act_vocab"))
 
     def hidden(self, tokens_bt, positions_bt=None, *, cache=None, lora=None, lora_scale=1.0,
                kv_mask_bs=None, remat: str = "none", layers=None, attention_impl: str = "auto"):
-        """Last hidden states [B, T, D] (before the final norm) and the updated cache (or None).
+        """Last hidden states [B, T, E] (before the final norm) and the updated cache (or None).
 
         Without a cache, the stacked layers run under `lax.scan` and attention is causal over the T
         tokens (`kv_mask_bs` [B, T] may mark padded keys); `remat` (see `REMAT`) trades backward-pass
@@ -287,8 +287,8 @@ class Decoder(nnx.Module):
 
 # Activation rematerialisation in the backward pass: what each layer keeps from its forward pass.
 REMAT = {
-    "full": jax.checkpoint_policies.nothing_saveable,  # memory ∝ layers × B·T·D; one more forward
-    # keep the linear maps' outputs (q, k, v, o, gate, up, down: 9·D floats per token and layer for
+    "full": jax.checkpoint_policies.nothing_saveable,  # memory ∝ layers × B·T·E; one more forward
+    # keep the linear maps' outputs (q, k, v, o, gate, up, down: 9·E floats per token and layer for
     # SmolLM2); only norms, RoPE, attention and the MLP activation are recomputed
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "none": None,  # keep everything, attention probabilities included (∝ layers × B·heads·T²)
@@ -302,8 +302,8 @@ def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> list
     """Zeroed KV cache, per layer {"k": [batch, kv_heads, length, head_dim], "v": [batch, kv_heads,
     head_dim, length]} (the layouts `attention` reads in place; sharded on a mesh)."""
     dt = dtype or config.jnp_dtype
-    B, K, Dh, S = batch, config.num_kv_heads, config.head_dim, length
+    B, K, D, S = batch, config.num_kv_heads, config.head_dim, length
     k_axes = ("batch", "act_kv_heads", "length", "head_dim")
     v_axes = ("batch", "act_kv_heads", "head_dim", "length")
-    return [{"k": constrain(jnp.zeros((B, K, S, Dh), dt), k_axes),
-             "v": constrain(jnp.zeros((B, K, Dh, S), dt), v_axes)} for _ in range(config.num_layers)]
+    return [{"k": constrain(jnp.zeros((B, K, S, D), dt), k_axes),
+             "v": constrain(jnp.zeros((B, K, D, S), dt), v_axes)} for _ in range(config.num_layers)]

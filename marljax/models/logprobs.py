@@ -1,9 +1,9 @@
-"""Log-probabilities of target tokens without holding [n, R, vocab] logits at once.
+"""Log-probabilities of target tokens without holding [B, R, V] logits at once.
 
 Response log-probs need logsumexp over the vocabulary at every response position; at the paper's
 lengths (R = 5,120, Qwen3's 151,936-token vocabulary) the float32 logits of one row are 3 GB, and their
 backward as much again. Over chunks of `chunk` positions, each rematerialised in the backward pass,
-the peak is [n, chunk, vocab].
+the peak is [B, chunk, V]. Shape suffixes: the legend in marljax/models/decoder.py.
 """
 from __future__ import annotations
 
@@ -13,23 +13,23 @@ import jax.numpy as jnp
 LOGPROB_CHUNK = 256  # response positions per chunk (R ≤ this: one pass, as without chunking)
 
 
-def target_logprobs(logits_fn, h_nrd, target_nr, temperature: float = 1.0, chunk: int | None = None):
-    """log softmax(logits_fn(h) / temperature)[target] [n, R] float32; `logits_fn` maps hidden states
-    [..., D] to float32 logits [..., V] (the decoder's `logits`); `chunk` defaults to LOGPROB_CHUNK."""
+def target_logprobs(logits_fn, h_bre, target_br, temperature: float = 1.0, chunk: int | None = None):
+    """log softmax(logits_fn(h) / temperature)[target] [B, R] float32; `logits_fn` maps hidden states
+    [..., E] to float32 logits [..., V] (the decoder's `logits`); `chunk` defaults to LOGPROB_CHUNK."""
     chunk = LOGPROB_CHUNK if chunk is None else chunk
     if chunk < 1:
         raise ValueError(f"chunk={chunk}: log-probs need at least one position per chunk.")
 
-    def logprobs(h_ncd, target_nc):
-        logits = logits_fn(h_ncd) / temperature
-        target_logit = jnp.take_along_axis(logits, target_nc[:, :, None], axis=-1)[:, :, 0]
-        return target_logit - jax.nn.logsumexp(logits, axis=-1)  # no [n, R, vocab] log_softmax
+    def logprobs(h_bce, target_bc):
+        logits_bcv = logits_fn(h_bce) / temperature
+        target_logit_bc = jnp.take_along_axis(logits_bcv, target_bc[:, :, None], axis=-1)[:, :, 0]
+        return target_logit_bc - jax.nn.logsumexp(logits_bcv, axis=-1)  # no [B, R, V] log_softmax
 
-    n, R, D = h_nrd.shape
+    B, R, E = h_bre.shape
     if R <= chunk:
-        return logprobs(h_nrd, target_nr)
+        return logprobs(h_bre, target_br)
     pad = -R % chunk
-    h_knc = jnp.pad(h_nrd, ((0, 0), (0, pad), (0, 0))).reshape(n, -1, chunk, D).swapaxes(0, 1)
-    t_knc = jnp.pad(target_nr, ((0, 0), (0, pad))).reshape(n, -1, chunk).swapaxes(0, 1)
-    out_knc = jax.lax.map(jax.checkpoint(lambda xs: logprobs(*xs)), (h_knc, t_knc))
-    return out_knc.swapaxes(0, 1).reshape(n, R + pad)[:, :R]
+    h_nbce = jnp.pad(h_bre, ((0, 0), (0, pad), (0, 0))).reshape(B, -1, chunk, E).swapaxes(0, 1)
+    target_nbc = jnp.pad(target_br, ((0, 0), (0, pad))).reshape(B, -1, chunk).swapaxes(0, 1)
+    out_nbc = jax.lax.map(jax.checkpoint(lambda xs: logprobs(*xs)), (h_nbce, target_nbc))
+    return out_nbc.swapaxes(0, 1).reshape(B, R + pad)[:, :R]

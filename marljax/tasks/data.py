@@ -427,9 +427,3 @@ def load_task(name: str, path: str | None = None, split: str = "train", seed: in
         log.warning("task %s: skipped %d malformed rows of %s (first: %s)", name, len(skipped), path,
                     skipped[0])
     return problems
-
-
-def task_dataset(name: str, **kwargs) -> grain.MapDataset:
-    """`load_task` as a grain MapDataset (for shuffle / repeat / batch pipelines)."""
-    import grain
-    return grain.MapDataset.source(load_task(name, **kwargs))

@@ -40,7 +40,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Iterable
 
 log = logging.getLogger(__name__)
 
@@ -427,10 +426,3 @@ def executor() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
                                                  thread_name_prefix="sandbox")
 
-
-def run_many(sources: Iterable[str], stdins: Iterable[str] | None = None, **kwargs) -> list[RunResult]:
-    """Run many programs in parallel on `executor()`; results in input order. kwargs go to `run_python`."""
-    sources = list(sources)
-    stdins = [""] * len(sources) if stdins is None else list(stdins)
-    futures = [executor().submit(run_python, s, i, **kwargs) for s, i in zip(sources, stdins, strict=True)]
-    return [f.result() for f in futures]

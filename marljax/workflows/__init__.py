@@ -1,7 +1,7 @@
 """Multi-agent workflows as pure episode scripts, run batched by `rollout`."""
 from __future__ import annotations
 
-from marljax.workflows.base import CallColumns, Rollout, Sample, Workflow, rollout
+from marljax.workflows.base import CallColumns, Completion, Rollout, Workflow, rollout
 from marljax.workflows.eval_opt import EvalOpt
 from marljax.workflows.orch_workers import OrchWorkers
 from marljax.workflows.single import SingleAgent
@@ -24,5 +24,5 @@ def get_workflow(name: str, **kwargs) -> Workflow:
         raise TypeError(f"Bad options {kwargs} for workflow {name!r}: {e}") from None
 
 
-__all__ = ["WORKFLOWS", "CallColumns", "EvalOpt", "OrchWorkers", "Rollout", "Sample", "SingleAgent", "Voting",
+__all__ = ["WORKFLOWS", "CallColumns", "Completion", "EvalOpt", "OrchWorkers", "Rollout", "SingleAgent", "Voting",
            "Workflow", "get_workflow", "rollout"]

@@ -39,8 +39,8 @@ def assistant(content: str) -> dict[str, str]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sample:
-    """One sampled response: ids (the stop token included if hit), their sampler logprobs, and whether
+class Completion:
+    """One sampled response (what a `SampleFn` returns per prompt): ids (the stop token included if hit), their sampler logprobs, and whether
     generation hit max_new_tokens without a stop token."""
 
     tokens: list[int]
@@ -58,7 +58,7 @@ class ChatCodec(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
-SampleFn = Callable[[str, list[list[int]], int], list[Sample]]  # (set_name, prompts, seed) -> samples
+SampleFn = Callable[[str, list[list[int]], int], list[Completion]]  # (set_name, prompts, seed) -> completions
 RewardFn = Callable[[Sequence[Problem], Sequence[str]], list[float]]
 
 
