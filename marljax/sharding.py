@@ -18,14 +18,27 @@ import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 
+import dataclasses
+
 import jax
 import optax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from marljax.config import MeshConfig
-
 MESH_AXES = ("data", "fsdp", "tensor")
+LORA_PLACEMENTS = ("sharded", "replicated")
+
+
+@dataclasses.dataclass
+class MeshConfig:
+    """Device mesh: sizes of its data, fsdp and tensor axes, -1 = the rest (the config's `mesh` section)."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    rules: str = "auto"  # auto (fsdp_tp when tensor > 1, else fsdp) | a name in RULES: fsdp | fsdp_tp
+    lora: str = "sharded"  # LORA_PLACEMENTS: sharded (by the base weight's rules) | replicated
+
 Rules = Mapping[str, "str | tuple[str, ...] | None"]
 
 _FSDP: dict = {

@@ -72,8 +72,11 @@ def test_none_takes_the_papers_value_for_the_task_and_workflow(task, workflow):
 
 
 def test_resolve_names_an_unknown_workflow():
-    with pytest.raises(ConfigError, match="No paper limits for workflow 'votes'"):
-        resolve(load_config(None, ["workflow=votes"]))
+    cfg = Config()
+    cfg.workflow.name = "votes"
+    with pytest.raises(ConfigError, match=r"workflow\.name='votes' is not one of \['eval_opt', 'orch_workers', "
+                                          r"'single', 'voting'\]"):
+        resolve(cfg)
 
 
 def test_the_demo_is_configs_default_yaml():

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from marljax.config import ConfigError
+from marljax.config import ConfigError, load_config
 from marljax.metrics import MetricsLogger, read_metrics
 from marljax.tasks import sandbox
 from marljax.train import main as train_main
@@ -69,7 +69,7 @@ def test_code_task_fails_closed_without_bwrap_unless_rlimits_is_asked_for(tmp_pa
         train_main([*CODE_RUN, f"run_dir={tmp_path / 'refused'}"])
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()  # refused before any rollout
     with pytest.raises(ConfigError, match=r"task\.sandbox='docker'; choose 'bwrap'.* or 'rlimits'"):
-        train_main([*CODE_RUN, f"run_dir={tmp_path / 'typo'}", "task.sandbox=docker"])
+        load_config(None, [*CODE_RUN, f"run_dir={tmp_path / 'typo'}", "task.sandbox=docker"])  # refused at load
     capsys.readouterr()
     run_dir = tmp_path / "unisolated"
     train_main([*CODE_RUN, f"run_dir={run_dir}", "task.sandbox=rlimits"])

@@ -487,10 +487,9 @@ def test_worked_example_changes_only_the_solve_prompt():
         else:
             assert a == b
     from marljax.config import Config
-    from marljax.train import workflow_options
     cfg = Config()
     cfg.workflow.worked_example = True
-    assert get_workflow(cfg.workflow.name, **workflow_options(cfg)).worked_example
+    assert cfg.workflow.build().worked_example
 
 
 def test_default_reward_is_the_problems_own():
