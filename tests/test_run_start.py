@@ -82,3 +82,12 @@ def test_code_task_fails_closed_without_bwrap_unless_rlimits_is_asked_for(tmp_pa
                                  "group only, NO filesystem or network isolation"), first_line
     assert read_metrics(run_dir)[0] == {"step": 0, "sandbox/mode": "rlimits"}
     assert _steps(run_dir) == [0, 1]
+
+
+def test_a_missing_dataset_is_one_line_from_the_cli(tmp_path, capsys):
+    """`python -m marljax.train task=gsm8k task.path=/nonexistent`: exit 2 with the data error, no traceback."""
+    with pytest.raises(SystemExit) as e:
+        train_main([*TINY, "task=gsm8k", "task.path=/nonexistent", "task.options={}", f"run_dir={tmp_path}"])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("data error: /nonexistent: no such file or directory. Download the dataset")
