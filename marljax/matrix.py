@@ -8,7 +8,8 @@ step-time estimate for an accelerator, the mesh each cell would use, and a plan 
 42 cells: {eval_opt, voting, orch_workers} × {math, code} × {qwen3-0.6b, 1.7b, 4b} × {shared,
 isolated}, plus single-agent × {math, code} × the three models. Hyperparameters are SPEC §1's: the
 dataclass defaults of `marljax.config`, with the response and prompt lengths and Eval-Opt iterations of
-`marljax.workflows.limits` for the cell's task and workflow written out.
+`marljax.workflows.paper_limits` for the cell's task and workflow written out. Roles and sampler stages
+are the workflow's declaration (`Workflow.roles`, `Workflow.sampler_stages`).
 
 The estimates are an explicit model, per chip, stated so they can be checked:
   memory  base weights (bfloat16; sharded over fsdp × tensor, replicated over data) + LoRA float32

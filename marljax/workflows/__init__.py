@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from marljax.workflows.base import CallColumns, Rollout, Sample, SamplerStage, Workflow, rollout
 from marljax.workflows.voting import Voting
-from marljax.workflows.eval_opt import EvalOpt  # noqa: I001 (registration order: see the docstring)
+from marljax.workflows.eval_opt import EvalOpt
 from marljax.workflows.orch_workers import OrchWorkers
 from marljax.workflows.single import SingleAgent
 from marljax.workflows.registry import WORKFLOWS, get_workflow, paper_limits, register, workflow_class
