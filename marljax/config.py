@@ -37,6 +37,7 @@ from marljax.rl.lora import ALL_LINEAR, LoRAConfig
 from marljax.rl.losses import LossConfig, get_aggregation
 from marljax.rl.schedules import SCHEDULES, lr_at
 from marljax.rl.step import MINIBATCH_MODES, ROLE_WEIGHTINGS, StepConfig, make_optimizer
+from marljax.sampling import SamplingParams
 from marljax.sharding import LORA_PLACEMENTS, RULES, MeshConfig
 from marljax.tasks.data import TASKS, task_kind
 from marljax.tasks.sandbox import MODES as SANDBOX_MODES
@@ -141,8 +142,8 @@ class SamplingSection:
     max_new_tokens: int | None = None  # per role call; None: the paper's (5120 math, 2048 code)
     max_prompt_tokens: int | None = None  # a longer prompt ends the episode; None: the paper's; 0: no cap
     temperature: float = 0.7
-    top_p: float = 1.0
-    top_k: int = 0
+    top_p: float = SamplingParams.top_p  # 1: off
+    top_k: int = SamplingParams.top_k  # 0: off
     max_cache_tokens: int = 0  # cap on batch × KV length per sampler call (0 = one call per stage)
 
 
@@ -204,15 +205,18 @@ class RLSection:
         building("rl", lambda: self.step({r: r for r in roles}, {}, 1.0, None))
 
 
+_ADAMW = make_optimizer.__kwdefaults__  # the optimizer's defaults (clip + AdamW), keyword-only
+
+
 @dataclasses.dataclass
 class OptimSection:
     lr: float = 2e-5
     warmup_steps: int = 15
     schedule: str = "cosine"  # rl.schedules.SCHEDULES: cosine | constant
-    weight_decay: float = 0.01
-    b1: float = 0.9
-    b2: float = 0.999
-    grad_clip: float = 1.0
+    weight_decay: float = _ADAMW["weight_decay"]
+    b1: float = _ADAMW["b1"]
+    b2: float = _ADAMW["b2"]
+    grad_clip: float = _ADAMW["grad_clip"]
 
     def build(self):
         """Clip + AdamW (`rl.step.make_optimizer`); the learning rate comes per step from `lr_at`."""
