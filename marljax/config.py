@@ -1,36 +1,85 @@
 """Dataclass configs for `train` and `evaluate`: YAML files plus dotted `key=value` overrides.
 
-The dataclass defaults are the paper's settings (SPEC §1). A few of the paper's values depend on the
-task and the workflow (response and prompt lengths, Eval-Opt's iterations); their keys default to `None`,
-which `resolve` fills from the one table in `marljax.workflows.limits`. The CPU demo is a file,
-`configs/default.yaml`; `cli_config` is the command line's rule for which base a run starts from.
+The config is the entry layer: each section takes its defaults from the runtime object it builds
+(`LossConfig`, `AdvantageConfig`, `StepConfig`, `LoRAConfig`, `CliffConfig`, the workflow classes), so a
+default is written once, and builds it (`cfg.rl.loss()`, `cfg.rl.advantages()`, `cfg.rl.step(...)`,
+`cfg.optim.build()`, `cfg.lora.build()`, `cfg.diagnostics.cliff()`, `cfg.workflow.build()`). The
+dataclass defaults are the paper's settings (SPEC §1). A few of the paper's values depend on the task
+and the workflow (response and prompt lengths, Eval-Opt's iterations); their keys default to `None`,
+which `resolve` fills from `marljax.workflows.limits` and the workflow's declaration. The CPU demo is a
+file, `configs/default.yaml`; `cli_config` is the command line's rule for which base a run starts from.
 
 Unknown keys fail with close-match suggestions; values are parsed as YAML scalars and checked against
 the field's type. A section with a `name` field also takes a bare value (`task=arith` sets
-`task.name`), so both `task=gsm8k` and `task.path=data/gsm8k` work.
+`task.name`), so both `task=gsm8k` and `task.path=data/gsm8k` work. `load_config` then checks every
+enumerated value against the registry or choice set that serves it, and the cross-field rules
+(`validate`), before anything is loaded.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import difflib
+import functools
 import pathlib
 import typing
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import yaml
 
-from marljax.sharding import MeshConfig
-from marljax.tasks.data import task_kind
-from marljax.workflows.limits import paper_limits
+from marljax.models.attention import ATTENTIONS
+from marljax.models.decoder import DTYPES, REMAT
+from marljax.models.lora import ALL_LINEAR, LoRAConfig
+from marljax.rl import policy_map as pm
+from marljax.rl.advantages import REWARD_ROUTINGS, AdvantageConfig, get_estimator, get_group_key
+from marljax.rl.diagnostics import CliffConfig
+from marljax.rl.losses import LossConfig, get_aggregation
+from marljax.rl.schedules import SCHEDULES, lr_at
+from marljax.rl.step import MINIBATCH_MODES, ROLE_WEIGHTINGS, StepConfig, make_optimizer
+from marljax.sampling import SamplingParams
+from marljax.sharding import LORA_PLACEMENTS, RULES, MeshConfig
+from marljax.tasks.data import TASKS, task_kind
+from marljax.tasks.sandbox import MODES as SANDBOX_MODES
+from marljax.workflows import WORKFLOWS, Workflow, paper_limits, workflow_class
 
 DEMO_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 PAPER_BASE = "paper defaults"
+ALL_LINEAR_KEY = "all-linear"  # lora.targets=[all-linear]: every linear map (`models.lora.ALL_LINEAR`)
+
+
+class ConfigError(ValueError):
+    """A bad config key, type or value; the message names it and the fix."""
+
+
+def one_of(key: str, value: Any, choices: Collection[str]) -> None:
+    """ConfigError unless `value` is one of `choices`; the message lists them (and the closest)."""
+    if value in choices:
+        return
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"{key}={value!r} is not one of {sorted(choices)}.{hint}")
+
+
+def registered(key: str, value: str, get: Callable[[str], Any]) -> None:
+    """ConfigError unless `get(value)` finds `value` in its registry (whose KeyError lists the names)."""
+    try:
+        get(value)
+    except KeyError as e:
+        raise ConfigError(f"{key}={value!r}: {e.args[0]}.") from None
+
+
+def building(key: str, build: Callable[[], Any]) -> Any:
+    """`build()`, with a runtime config's ValueError (a value out of range) as a ConfigError on `key`."""
+    try:
+        return build()
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 @dataclasses.dataclass
 class TaskSection:
-    name: str = "dapo_math"
+    name: str = "dapo_math"  # tasks.data.TASKS
     path: str | None = None  # file-backed tasks: a local file or dir (see marljax.tasks.data)
     split_seed: int = 42  # the train/held-out split (the paper's seed; see tasks.data.HOLDOUT)
     train_size: int | None = None  # cap on training problems (None = all)
@@ -38,14 +87,54 @@ class TaskSection:
     options: dict = dataclasses.field(default_factory=dict)  # task-specific knobs (e.g. arith digits)
     sandbox: str = "bwrap"  # code grading's isolation: bwrap (required, fails closed) | rlimits (none)
 
+    def check(self) -> None:
+        one_of("task.name", self.name, TASKS)
+        if self.sandbox not in SANDBOX_MODES:
+            raise ConfigError(f"task.sandbox={self.sandbox!r}; choose 'bwrap' (isolated, needs bubblewrap) "
+                              "or 'rlimits' (no filesystem or network isolation).")
+
 
 @dataclasses.dataclass
 class WorkflowSection:
-    name: str = "voting"  # single | eval_opt | voting | orch_workers
-    n_votes: int = 3
-    max_iterations: int | None = None  # Eval-Opt; None: the paper's (3 math, 2 code)
-    max_subtasks: int = 3
-    worked_example: bool = False  # solve prompt shows one worked example (small models; not the paper's)
+    """`name` and, as further keys, the options every registered workflow declares (its dataclass fields,
+    with their types and defaults: `workflow.n_votes` is `Voting.n_votes`). The concrete class is made
+    from the registry (`workflow_section`); a workflow takes only its own options (`build`)."""
+
+    name: str = "voting"  # a registered workflow (marljax.workflows.WORKFLOWS)
+
+    def build(self) -> Workflow:
+        """The named workflow with its options from this section."""
+        cls = workflow_class(self.name)
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+
+    def check(self) -> Workflow:
+        one_of("workflow.name", self.name, WORKFLOWS)
+        return building("workflow", self.build)
+
+
+_BASE_OPTIONS = frozenset(f.name for f in dataclasses.fields(Workflow))
+
+
+@functools.cache
+def _workflow_section_class(classes: tuple[type[Workflow], ...]) -> type[WorkflowSection]:
+    """WorkflowSection with one field per declared option of `classes`: each workflow's own options in
+    registration order, then the options of the `Workflow` base they share."""
+    own = [(f, cls) for cls in classes for f in dataclasses.fields(cls) if f.name not in _BASE_OPTIONS]
+    fields: dict[str, tuple] = {}
+    for f, cls in [*own, *((f, Workflow) for f in dataclasses.fields(Workflow))]:
+        hint = typing.get_type_hints(cls)[f.name]
+        if f.name in fields and fields[f.name][1:] != (hint, f.default):
+            raise ConfigError(f"workflow option {f.name!r} is declared twice with different types or defaults "
+                              f"(by {cls.__name__} and another workflow); rename one.")
+        fields[f.name] = (f.name, hint, f.default)
+    return dataclasses.make_dataclass(
+        "WorkflowSection", [(n, h, dataclasses.field(default=d)) for n, h, d in fields.values()],
+        bases=(WorkflowSection,))
+
+
+def workflow_section() -> WorkflowSection:
+    """The workflow section with the options of the workflows registered now, at their defaults."""
+    return _workflow_section_class(tuple(WORKFLOWS.values()))()
 
 
 @dataclasses.dataclass
@@ -53,52 +142,113 @@ class SamplingSection:
     max_new_tokens: int | None = None  # per role call; None: the paper's (5120 math, 2048 code)
     max_prompt_tokens: int | None = None  # a longer prompt ends the episode; None: the paper's; 0: no cap
     temperature: float = 0.7
-    top_p: float = 1.0
-    top_k: int = 0
+    top_p: float = SamplingParams.top_p  # 1: off
+    top_k: int = SamplingParams.top_k  # 0: off
     max_cache_tokens: int = 0  # cap on batch × KV length per sampler call (0 = one call per stage)
 
 
 @dataclasses.dataclass
 class RLSection:
+    """Defaults are the runtime configs' (`AdvantageConfig`, `LossConfig`, `StepConfig`), which it builds."""
+
     problems_per_step: int = 64
     rollouts: int = 8  # G: rollouts per problem
-    group_preset: str = "paper"  # paper | role | role_turn
-    reward_routing: str = "broadcast"  # broadcast | per_role
-    estimator: str = "grpo"  # grpo | dr_grpo | rloo
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float | None = 3.0
-    agg: str = "seq_mean_token_mean"
+    group_preset: str = AdvantageConfig.group_key  # rl.advantages group keys: paper | role | role_turn
+    reward_routing: str = AdvantageConfig.reward_routing  # rl.advantages.REWARD_ROUTINGS: broadcast | per_role
+    estimator: str = AdvantageConfig.estimator  # rl.advantages estimators: grpo | dr_grpo | rloo
+    clip_low: float = LossConfig.clip_low
+    clip_high: float = LossConfig.clip_high
+    dual_clip: float | None = LossConfig.dual_clip
+    agg: str = LossConfig.agg  # rl.losses aggregations
     kl_beta: dict = dataclasses.field(default_factory=dict)  # role → β of the KL anchor to the base (I1)
-    role_weighting: str = "count"  # count | equal | inverse_norm
-    minibatch: str = "paper"  # paper (one optimizer step per M samples of a set) | balanced
-    minibatch_size: int = 512
+    role_weighting: str = StepConfig.role_weighting  # rl.step.ROLE_WEIGHTINGS: count | equal | inverse_norm
+    minibatch: str = StepConfig.minibatch  # paper (one optimizer step per M samples of a set) | balanced
+    minibatch_size: int = StepConfig.minibatch_size
     same_role_scale: bool = False  # weigh each of N parallel same-role agents 1/N
-    damping_lambda: float = 0.0  # I6: 1 − λ·clamp(cos(g, EMA g), 0, 1); the paper's λ ≤ 0.3
-    damping_ema: float = 0.9
+    damping_lambda: float = StepConfig.damping_lambda  # I6: 1 − λ·clamp(cos(g, EMA g), 0, 1); paper λ ≤ 0.3
+    damping_ema: float = StepConfig.damping_ema
     logprob_temperature: float | None = None  # None: the sampling temperature (as verl)
-    remat: str = "full"  # backward-pass recompute (models.decoder.REMAT): full | dots | none
-    attention: str = "auto"  # uncached attention (models.attention): auto | dense | blockwise | cudnn | splash
+    remat: str = StepConfig.remat  # backward-pass recompute (models.decoder.REMAT): full | dots | none
+    attention: str = StepConfig.attention  # models.attention.ATTENTIONS: auto | dense | blockwise | cudnn | splash
+
+    def loss(self) -> LossConfig:
+        return LossConfig(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip, agg=self.agg)
+
+    def advantages(self) -> AdvantageConfig:
+        return AdvantageConfig(group_key=self.group_preset, reward_routing=self.reward_routing,
+                               estimator=self.estimator)
+
+    def step(self, route: Mapping[str, str], same_role_counts: Mapping[str, int], temperature: float,
+             lora_scale: float | None) -> StepConfig:
+        """The trainer's step config for a policy `route` (role → set); `temperature`: the sampling one,
+        the log-probs' unless `logprob_temperature` is set; `lora_scale` None: full fine-tuning."""
+        return StepConfig(
+            route=tuple(route.items()), loss=self.loss(), role_weighting=self.role_weighting,
+            role_scale=tuple((r, 1.0 / n) for r, n in same_role_counts.items()) if self.same_role_scale else (),
+            kl_beta=tuple((r, float(b)) for r, b in self.kl_beta.items()),
+            damping_lambda=self.damping_lambda, damping_ema=self.damping_ema,
+            logprob_temperature=self.logprob_temperature or temperature or 1.0, lora_scale=lora_scale,
+            minibatch=self.minibatch, minibatch_size=self.minibatch_size, remat=self.remat, attention=self.attention)
+
+    def check(self, roles: tuple[str, ...]) -> None:
+        registered("rl.estimator", self.estimator, get_estimator)
+        registered("rl.group_preset", self.group_preset, get_group_key)
+        one_of("rl.reward_routing", self.reward_routing, REWARD_ROUTINGS)
+        registered("rl.agg", self.agg, get_aggregation)
+        one_of("rl.role_weighting", self.role_weighting, ROLE_WEIGHTINGS)
+        one_of("rl.minibatch", self.minibatch, MINIBATCH_MODES)
+        one_of("rl.remat", self.remat, REMAT)
+        one_of("rl.attention", self.attention, ATTENTIONS)
+        unknown_kl = sorted(set(self.kl_beta) - set(roles))
+        if unknown_kl:
+            raise ConfigError(f"rl.kl_beta names roles {unknown_kl} not in the workflow (roles: {list(roles)}).")
+        building("rl", lambda: self.step({r: r for r in roles}, {}, 1.0, None))
+
+
+_ADAMW = make_optimizer.__kwdefaults__  # the optimizer's defaults (clip + AdamW), keyword-only
 
 
 @dataclasses.dataclass
 class OptimSection:
     lr: float = 2e-5
     warmup_steps: int = 15
-    schedule: str = "cosine"  # cosine | constant
-    weight_decay: float = 0.01
-    b1: float = 0.9
-    b2: float = 0.999
-    grad_clip: float = 1.0
+    schedule: str = "cosine"  # rl.schedules.SCHEDULES: cosine | constant
+    weight_decay: float = _ADAMW["weight_decay"]
+    b1: float = _ADAMW["b1"]
+    b2: float = _ADAMW["b2"]
+    grad_clip: float = _ADAMW["grad_clip"]
+
+    def build(self):
+        """Clip + AdamW (`rl.step.make_optimizer`); the learning rate comes per step from `lr_at`."""
+        return make_optimizer(weight_decay=self.weight_decay, b1=self.b1, b2=self.b2, grad_clip=self.grad_clip)
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """Learning rate of training step `step` (1-based) of a `total_steps` run."""
+        return lr_at(self.schedule, self.lr, step, self.warmup_steps, total_steps)
+
+    def check(self) -> None:
+        registered("optim.schedule", self.schedule, SCHEDULES.get)
 
 
 @dataclasses.dataclass
 class LoRASection:
     enabled: bool = True  # False: full fine-tuning of every parameter set
-    rank: int = 64
-    alpha: float = 32.0
-    targets: list = dataclasses.field(default_factory=lambda: ["all-linear"])
-    layers: int | None = None  # adapt only the last n layers (CPU speed: no backward below them)
+    rank: int = LoRAConfig.rank
+    alpha: float = LoRAConfig.alpha
+    targets: list = dataclasses.field(default_factory=lambda: [ALL_LINEAR_KEY])  # linear maps, or all-linear
+    layers: int | None = LoRAConfig.layers  # adapt only the last n layers (CPU speed: no backward below them)
+
+    def build(self) -> LoRAConfig | None:
+        """The adapters' config; None when LoRA is off (full fine-tuning)."""
+        if not self.enabled:
+            return None
+        targets = ALL_LINEAR if self.targets in ([ALL_LINEAR_KEY], ALL_LINEAR_KEY) else tuple(self.targets)
+        return LoRAConfig(rank=self.rank, alpha=self.alpha, targets=targets, layers=self.layers)
+
+    def check(self) -> None:
+        for target in self.targets:
+            one_of("lora.targets", target, [ALL_LINEAR_KEY, *ALL_LINEAR])
+        building("lora", self.build)
 
 
 @dataclasses.dataclass
@@ -117,24 +267,44 @@ class CheckpointSection:
 
 @dataclasses.dataclass
 class DiagnosticsSection:
-    cliff_drop: float = 0.05  # δ: absolute accuracy drop from the peak (0.05 = 5 points)
-    cliff_window: float = 0.25  # X: the drop must start within the last X of the run
+    cliff_drop: float = CliffConfig.min_drop  # δ: absolute accuracy drop from the peak (0.05 = 5 points)
+    cliff_window: float = CliffConfig.window_frac  # X: the drop must start within the last X of the run
     dominant_window: int = 5
     rollback_on_cliff: bool = False  # when the cliff detector fires, restore the peak checkpoint's state
     rollback_lr_scale: float | None = None  # after a rollback: None stops the run; a float continues, lr × it
     max_nonfinite: int = 3  # stop after this many non-finite losses in a row
 
+    def cliff(self) -> CliffConfig:
+        return CliffConfig(min_drop=self.cliff_drop, window_frac=self.cliff_window)
+
+    def check(self) -> None:
+        """`rollback_lr_scale` needs `rollback_on_cliff` and must be > 0 (None: stop after rolling back)."""
+        scale = self.rollback_lr_scale
+        if scale is not None and not self.rollback_on_cliff:
+            raise ConfigError(f"diagnostics.rollback_lr_scale={scale} has no effect without "
+                              "diagnostics.rollback_on_cliff=true; set both, or drop the scale.")
+        if scale is not None and not scale > 0:
+            raise ConfigError(f"diagnostics.rollback_lr_scale={scale} must be > 0 (e.g. 0.5), or null to stop "
+                              "the run after rolling back.")
+        building("diagnostics", self.cliff)
+
+
+def check_mesh(mesh: MeshConfig) -> None:
+    """The mesh section (`sharding.MeshConfig`): its rule set and LoRA placement are known names."""
+    one_of("mesh.rules", mesh.rules, ["auto", *RULES])
+    one_of("mesh.lora", mesh.lora, LORA_PLACEMENTS)
+
 
 @dataclasses.dataclass
 class Config:
     model: str = "qwen3-0.6b"
-    dtype: str = "float32"
+    dtype: str = "float32"  # models.decoder.DTYPES
     policy: Any = "shared"  # shared | isolated | {role: set_name}
     steps: int = 300
     run_dir: str = "runs/default"
     seed: int = 0
     task: TaskSection = dataclasses.field(default_factory=TaskSection)
-    workflow: WorkflowSection = dataclasses.field(default_factory=WorkflowSection)
+    workflow: WorkflowSection = dataclasses.field(default_factory=workflow_section)
     sampling: SamplingSection = dataclasses.field(default_factory=SamplingSection)
     rl: RLSection = dataclasses.field(default_factory=RLSection)
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)
@@ -145,8 +315,22 @@ class Config:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
 
-class ConfigError(ValueError):
-    """A bad config key, type or value; the message names it and the fix."""
+def validate(cfg: Config) -> Config:
+    """`cfg` when every enumerated value is one its registry or choice set serves and the cross-field
+    rules hold (kl_beta and policy roles are the workflow's, rollback, the ranges the runtime configs
+    check); else a ConfigError naming the key and the allowed values. Loads nothing."""
+    workflow = cfg.workflow.check()
+    cfg.task.check()
+    one_of("dtype", cfg.dtype, DTYPES)
+    if isinstance(cfg.policy, str):
+        one_of("policy", cfg.policy, pm.POLICY_CHOICES)
+    building("policy", lambda: pm.from_config(cfg.policy, workflow.roles))
+    cfg.rl.check(workflow.roles)
+    cfg.optim.check()
+    cfg.lora.check()
+    cfg.diagnostics.check()
+    check_mesh(cfg.mesh)
+    return cfg
 
 
 def _fields(obj) -> dict[str, dataclasses.Field]:
@@ -258,8 +442,8 @@ def read_yaml(path: str | pathlib.Path, _seen: tuple = ()) -> dict:
 
 
 def load_config(config_file: str | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults (the paper's settings) ← YAML file (see `read_yaml`) ← `key=value` overrides. Keys left
-    at `None` stay so; `resolve` fills them."""
+    """Defaults (the paper's settings) ← YAML file (see `read_yaml`) ← `key=value` overrides, validated
+    (`validate`). Keys left at `None` stay so; `resolve` fills them."""
     cfg = Config()
     if config_file is not None:
         for k, v in read_yaml(config_file).items():
@@ -269,7 +453,7 @@ def load_config(config_file: str | None = None, overrides: list[str] = ()) -> Co
             raise ConfigError(f"Override {item!r} is not key=value (e.g. rl.clip_high=0.28).")
         k, v = item.split("=", 1)
         _set(cfg, k.strip().split("."), parse_value(v), k.strip())
-    return cfg
+    return validate(cfg)
 
 
 def cli_config(config_file: str | None, overrides: list[str]) -> tuple[Config, str]:
@@ -282,12 +466,10 @@ def cli_config(config_file: str | None, overrides: list[str]) -> tuple[Config, s
 
 
 def resolve(cfg: Config) -> Config:
-    """A copy of `cfg` whose `None`s that mean "the paper's value for this task and workflow" are filled
-    from `workflows.limits`: sampling.max_new_tokens, sampling.max_prompt_tokens, workflow.max_iterations."""
-    try:
-        limits = paper_limits(task_kind(cfg.task.name), cfg.workflow.name)
-    except ValueError as e:
-        raise ConfigError(f"{e} Set workflow= to one of single, eval_opt, voting, orch_workers.") from None
+    """A validated copy of `cfg` whose `None`s that mean "the paper's value for this task and workflow"
+    are filled from `workflows.paper_limits`: sampling.max_new_tokens, sampling.max_prompt_tokens,
+    workflow.max_iterations."""
+    limits = paper_limits(task_kind(validate(cfg).task.name), cfg.workflow.name)
     out = copy.deepcopy(cfg)
     for section, key, value in (("sampling", "max_new_tokens", limits.response),
                                 ("sampling", "max_prompt_tokens", limits.prompt),

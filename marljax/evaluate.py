@@ -51,6 +51,9 @@ def parse(argv: list[str] | None):
     return ap, args, overrides, short
 
 
+TRANSFER_RESETS = ("rl.kl_beta={}",)  # with transfer=: the source's kl_beta names its roles; nothing is trained
+
+
 def build(checkpoint: pathlib.Path | None, config_file: str | None, overrides: list[str], which: str,
           transfer: str | None):
     """The Run to evaluate and the checkpoint step it holds (None without a checkpoint).
@@ -58,19 +61,15 @@ def build(checkpoint: pathlib.Path | None, config_file: str | None, overrides: l
     Raises ConfigError (bad keys, transfer from a run that is not single-agent, an unknown workflow or mode)
     or FileNotFoundError (no checkpoint / peak)."""
     from marljax.checkpoint import WHICH, Checkpointer
-    from marljax.train import Run, workflow_options
-    from marljax.workflows import get_workflow
+    from marljax.train import Run
 
     if which not in WHICH:
         raise ConfigError(f"which={which!r}; choose one of {WHICH}.")
     if checkpoint is None and (transfer is not None or which != "newest"):
         raise ConfigError("which= and transfer= evaluate a training run; add checkpoint=RUN_DIR.")
-    cfg, _ = cli_config(config_file, overrides)
+    cfg, _ = cli_config(config_file, [*overrides, *TRANSFER_RESETS] if transfer else overrides)
     cfg.eval.at_start = False
-    try:
-        target = get_workflow(cfg.workflow.name, **workflow_options(cfg))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    target = cfg.workflow.build()
     source = load_config(config_file) if transfer is not None else None
     if transfer is not None:
         if source.workflow.name != "single":
@@ -79,7 +78,6 @@ def build(checkpoint: pathlib.Path | None, config_file: str | None, overrides: l
         if transfer not in pm.TRANSFER_MODES:
             raise ConfigError(f"transfer={transfer!r}; choose one of {pm.TRANSFER_MODES}.")
         cfg.policy = dict(pm.transfer(target.roles, target.graded_roles, transfer).route)
-        cfg.rl.kl_beta = {}  # names the source's roles; nothing is trained here
     run = Run(cfg)
     if checkpoint is None:
         return run, None
@@ -134,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         if not pathlib.Path(config_file).exists():
             ap.exit(2, f"checkpoint={checkpoint}: no config.yaml there; is it a marljax run directory?\n")
     try:
-        cfg, base = cli_config(config_file, overrides)
+        cfg, base = cli_config(config_file, [*overrides, *TRANSFER_RESETS] if transfer else overrides)
         resolved = resolve(cfg)
     except ConfigError as e:
         ap.exit(2, f"config error: {e}\n")

@@ -8,7 +8,8 @@ step-time estimate for an accelerator, the mesh each cell would use, and a plan 
 42 cells: {eval_opt, voting, orch_workers} × {math, code} × {qwen3-0.6b, 1.7b, 4b} × {shared,
 isolated}, plus single-agent × {math, code} × the three models. Hyperparameters are SPEC §1's: the
 dataclass defaults of `marljax.config`, with the response and prompt lengths and Eval-Opt iterations of
-`marljax.workflows.limits` for the cell's task and workflow written out.
+`marljax.workflows.paper_limits` for the cell's task and workflow written out. Roles and sampler stages
+are the workflow's declaration (`Workflow.roles`, `Workflow.sampler_stages`).
 
 The estimates are an explicit model, per chip, stated so they can be checked:
   memory  base weights (bfloat16; sharded over fsdp × tensor, replicated over data) + LoRA float32
@@ -42,25 +43,23 @@ from marljax.models.decoder import LINEAR_AXES, ModelConfig
 from marljax.models.presets import PRESETS
 from marljax.shapes import bucket, bucket_rows, length_bucket
 from marljax.sharding import MeshConfig
-from marljax.workflows.limits import Limits, paper_limits
+from marljax.workflows import get_workflow, paper_limits, workflow_class
+from marljax.workflows.limits import Limits
 
 WORKFLOWS = ("eval_opt", "voting", "orch_workers")
 TASKS = {"math": "dapo_math", "code": "deepcoder"}
 MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b")
 POLICIES = ("shared", "isolated")
-ROLES = {"single": ("generator",), "eval_opt": ("generator", "evaluator"),
-         "voting": ("generator", "aggregator"), "orch_workers": ("orchestrator", "worker", "synthesizer")}
 
 # The paper's setup (SPEC §1): the config's defaults.
 _PAPER = Config()
 PROBLEMS, ROLLOUTS, MINIBATCH = _PAPER.rl.problems_per_step, _PAPER.rl.rollouts, _PAPER.rl.minibatch_size
 STEPS, EVAL_EVERY = _PAPER.steps, _PAPER.eval.every
-N_VOTES, MAX_SUBTASKS = _PAPER.workflow.n_votes, _PAPER.workflow.max_subtasks
 LORA_RANK, LORA_ALPHA = _PAPER.lora.rank, _PAPER.lora.alpha
 EVAL_N = {"math": 1412, "code": 1000}  # held-out problems (for the time estimate; the configs evaluate all)
 
 # Length assumptions (tokens): a problem prompt with chat template and the empty think block; one
-# Orch-Workers strategy line.
+# note in a prompt (`SamplerStage.notes`: an Orch-Workers strategy line).
 PROMPT_TOKENS = {"math": 300, "code": 900}
 STRATEGY_TOKENS = 128
 
@@ -120,7 +119,7 @@ class Cell:
 
     @property
     def roles(self) -> tuple[str, ...]:
-        return ROLES[self.workflow]
+        return workflow_class(self.workflow).roles
 
     @property
     def n_sets(self) -> int:
@@ -136,21 +135,13 @@ class Cell:
         return self.limits.response
 
     def stages(self) -> list[Stage]:
-        """The cell's sampler rounds per episode, longest case (every iteration runs); no prompt is longer
-        than the paper's cap (a longer one ends the episode)."""
+        """The cell's sampler rounds per episode as its workflow declares them (`sampler_stages`, the
+        longest case: every iteration runs) with the paper's options, each prompt priced as the problem
+        plus its earlier responses and notes; no prompt is longer than the paper's cap (a longer one ends
+        the episode)."""
         q, r = PROMPT_TOKENS[self.task], self.max_response
-        if self.workflow == "single":
-            out = [Stage("generator", 1, q)]
-        elif self.workflow == "voting":
-            out = [Stage("generator", N_VOTES, q), Stage("aggregator", 1, q + N_VOTES * r)]
-        elif self.workflow == "orch_workers":
-            s = STRATEGY_TOKENS
-            out = [Stage("orchestrator", 1, q), Stage("worker", MAX_SUBTASKS, q + s),
-                   Stage("synthesizer", 1, q + MAX_SUBTASKS * (r + s))]
-        else:  # eval_opt: generator k sees k solutions and k verdicts; evaluator k one more solution
-            out = [Stage(role, 1, q + (2 * k + (role == "evaluator")) * r)
-                   for k in range(self.limits.iterations) for role in ("generator", "evaluator")]
-        return [dataclasses.replace(st, prompt=min(st.prompt, self.limits.prompt)) for st in out]
+        return [Stage(st.role, st.calls, min(q + st.responses * r + st.notes * STRATEGY_TOKENS, self.limits.prompt))
+                for st in get_workflow(self.workflow).sampler_stages(self.task)]
 
 
 def cells() -> list[Cell]:

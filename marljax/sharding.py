@@ -25,6 +25,8 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
+LORA_PLACEMENTS = ("sharded", "replicated")
+
 Rules = Mapping[str, "str | tuple[str, ...] | None"]
 
 _FSDP: dict = {
@@ -56,8 +58,8 @@ class MeshConfig:
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
-    rules: str = "auto"  # auto (fsdp_tp when tensor > 1, else fsdp) | fsdp | fsdp_tp
-    lora: str = "sharded"  # sharded (by the base weight's rules) | replicated
+    rules: str = "auto"  # auto (fsdp_tp when tensor > 1, else fsdp) | a name in RULES: fsdp | fsdp_tp
+    lora: str = "sharded"  # LORA_PLACEMENTS: sharded (by the base weight's rules) | replicated
 
 
 def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:

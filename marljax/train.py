@@ -42,31 +42,16 @@ from marljax.models import load_model, load_tokenizer
 from marljax.models.lora import ALL_LINEAR, LoRAConfig, init_lora
 from marljax.models.tokenizer import ChatCodec
 from marljax.rl import policy_map as pm
-from marljax.rl.advantages import AdvantageConfig, compute_advantages
-from marljax.rl.diagnostics import AccuracyTracker, CliffConfig, DominanceTracker, LengthDrift
-from marljax.rl.losses import LossConfig
-from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, train_batch
+from marljax.rl.advantages import compute_advantages
+from marljax.rl.diagnostics import AccuracyTracker, DominanceTracker, LengthDrift
+from marljax.rl.step import Sample, Trainer, train_batch
 from marljax.sampling import SamplingParams, generate, layer_weights
 from marljax.shapes import bucket
-from marljax.tasks.data import load_task
-from marljax.tasks.sandbox import MODES as SANDBOX_MODES
+from marljax.tasks.data import DataError, load_task
 from marljax.tasks.sandbox import require as require_sandbox
-from marljax.workflows import Completion, get_workflow, rollout
+from marljax.workflows import Completion, rollout
 from marljax.workflows.evaluation import evaluate_workflow
 from marljax.workflows.metrics import rollout_metrics
-
-
-def lr_at(cfg: Config, step: int) -> float:
-    """Linear warm-up then cosine to 0 (or constant), indexed by training step (1-based)."""
-    o = cfg.optim
-    if o.warmup_steps > 0 and step <= o.warmup_steps:
-        return o.lr * step / o.warmup_steps
-    if o.schedule == "constant":
-        return o.lr
-    if o.schedule != "cosine":
-        raise ConfigError(f"optim.schedule={o.schedule!r}; choose 'cosine' or 'constant'.")
-    span = max(cfg.steps - o.warmup_steps, 1)
-    return o.lr * 0.5 * (1 + math.cos(math.pi * min(step - o.warmup_steps, span) / span))
 
 
 def minibatch_seed(seed: int, step: int) -> int:
@@ -75,31 +60,12 @@ def minibatch_seed(seed: int, step: int) -> int:
     return int(np.random.SeedSequence([seed, step, 0x6D62]).generate_state(1)[0])
 
 
-def workflow_options(cfg: Config) -> dict:
-    w = cfg.workflow
-    own = {"voting": {"n_votes": w.n_votes}, "eval_opt": {"max_iterations": w.max_iterations},
-           "orch_workers": {"max_subtasks": w.max_subtasks}}.get(w.name, {})
-    return {"worked_example": w.worked_example, **own}
-
-
-def same_role_counts(workflow) -> dict[str, int]:
-    """N parallel same-role agents per role (voters, workers), for `rl.same_role_scale`."""
-    return {"voting": {"generator": getattr(workflow, "n_votes", 1)},
-            "orch_workers": {"worker": getattr(workflow, "max_subtasks", 1)}}.get(workflow.name, {})
-
-
 class Run:
     """Everything a training run holds; built from a Config (resolved: `None`s take the paper's values)."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg = resolve(cfg)
         self.run_dir = pathlib.Path(cfg.run_dir)
-        if cfg.mesh.lora not in ("sharded", "replicated"):
-            raise ConfigError(f"mesh.lora={cfg.mesh.lora!r}; choose 'sharded' or 'replicated'.")
-        check_rollback(cfg.diagnostics)
-        if cfg.task.sandbox not in SANDBOX_MODES:
-            raise ConfigError(f"task.sandbox={cfg.task.sandbox!r}; choose 'bwrap' (isolated, needs bubblewrap) "
-                              "or 'rlimits' (no filesystem or network isolation).")
         self.mesh = sharding.make_mesh(cfg.mesh)
         self.rules = sharding.get_rules(cfg.mesh, self.mesh)
         self.model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed,
@@ -115,35 +81,15 @@ class Run:
         self.run_info = {"sandbox/mode": require_sandbox(cfg.task.sandbox)} if code else {}  # step-0 record
         if not self.train_problems:
             raise ConfigError(f"task {cfg.task.name!r} gave no training problems.")
-        self.workflow = get_workflow(cfg.workflow.name, **workflow_options(cfg))
+        self.workflow = cfg.workflow.build()
         self.policy = pm.from_config(cfg.policy, self.workflow.roles)
         self.route = dict(self.policy.route)
         rl = cfg.rl
-        counts = same_role_counts(self.workflow)
-        temp = rl.logprob_temperature or cfg.sampling.temperature or 1.0
-        self.lora_cfg = None
-        if cfg.lora.enabled:
-            targets = ALL_LINEAR if cfg.lora.targets in (["all-linear"], "all-linear") else tuple(cfg.lora.targets)
-            self.lora_cfg = LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=targets,
-                                       layers=cfg.lora.layers)
-        unknown_kl = sorted(set(rl.kl_beta) - set(self.workflow.roles))
-        if unknown_kl:
-            raise ConfigError(f"rl.kl_beta names roles {unknown_kl} not in workflow "
-                              f"{self.workflow.name!r} (roles: {list(self.workflow.roles)}).")
-        self.step_cfg = StepConfig(
-            route=tuple(self.route.items()),
-            loss=LossConfig(clip_low=rl.clip_low, clip_high=rl.clip_high, dual_clip=rl.dual_clip, agg=rl.agg),
-            role_weighting=rl.role_weighting,
-            role_scale=tuple((r, 1.0 / n) for r, n in counts.items()) if rl.same_role_scale else (),
-            kl_beta=tuple((r, float(b)) for r, b in rl.kl_beta.items()),
-            damping_lambda=rl.damping_lambda, damping_ema=rl.damping_ema, logprob_temperature=temp,
-            lora_scale=self.lora_cfg.scale if self.lora_cfg else None,
-            minibatch=rl.minibatch, minibatch_size=rl.minibatch_size, remat=rl.remat,
-            attention=rl.attention)
-        self.adv_cfg = AdvantageConfig(group_key=rl.group_preset, reward_routing=rl.reward_routing,
-                                       estimator=rl.estimator)
-        o = cfg.optim
-        self.optimizer = make_optimizer(weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, grad_clip=o.grad_clip)
+        self.lora_cfg = cfg.lora.build()
+        self.step_cfg = rl.step(self.route, self.workflow.same_role_counts(), cfg.sampling.temperature,
+                                self.lora_cfg.scale if self.lora_cfg else None)
+        self.adv_cfg = rl.advantages()
+        self.optimizer = cfg.optim.build()
         params = self.init_params()
         p_sh = {s: sharding.trainable_shardings(p, self.model, self.mesh, self.rules,
                                                 replicate_lora=cfg.mesh.lora == "replicated")
@@ -158,8 +104,7 @@ class Run:
         self.trainer = Trainer(self.model, self.step_cfg, self.optimizer,
                                out_shardings=(p_sh, o_sh, e_sh, sharding.replicated(self.mesh)))
         d = cfg.diagnostics
-        self.accuracy = AccuracyTracker(total_steps=cfg.steps,
-                                        cliff=CliffConfig(min_drop=d.cliff_drop, window_frac=d.cliff_window))
+        self.accuracy = AccuracyTracker(total_steps=cfg.steps, cliff=d.cliff())
         self.dominance = DominanceTracker(window=d.dominant_window)
         self.lengths = LengthDrift()
         self.nonfinite_streak = 0
@@ -251,7 +196,7 @@ class Run:
                           sampler_logprobs=list(c.logprobs[i]))
                    for i in range(len(c.role)) if len(c.response_ids[i])]
         t1 = time.perf_counter()
-        lr = lr_at(cfg, step) * self.lr_scale
+        lr = cfg.optim.lr_at(step, cfg.steps) * self.lr_scale
         with sharding.use_mesh(self.mesh, self.rules):
             self.params, self.opt_states, self.ema, m = train_batch(
                 self.trainer, self.params, self.opt_states, self.ema, samples, lr,
@@ -300,17 +245,6 @@ class Run:
         self.lengths = LengthDrift.from_state_dict(meta["lengths"])
         self.nonfinite_streak = meta["nonfinite_streak"]
         self.lr_scale, self.stopped = meta.get("lr_scale", 1.0), meta.get("stopped")  # absent in older checkpoints
-
-
-def check_rollback(d) -> None:
-    """`diagnostics.rollback_lr_scale` needs `rollback_on_cliff` and must be > 0 (None: stop after rolling back)."""
-    scale = d.rollback_lr_scale
-    if scale is not None and not d.rollback_on_cliff:
-        raise ConfigError(f"diagnostics.rollback_lr_scale={scale} has no effect without "
-                          "diagnostics.rollback_on_cliff=true; set both, or drop the scale.")
-    if scale is not None and not scale > 0:
-        raise ConfigError(f"diagnostics.rollback_lr_scale={scale} must be > 0 (e.g. 0.5), or null to stop the run "
-                          "after rolling back.")
 
 
 def track_eval(run: Run, ckpt: Checkpointer, step: int, metrics: dict) -> bool:
@@ -497,7 +431,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     sharding.initialize_distributed()
     compile_cache.enable()
-    report = train(cfg)
+    try:
+        report = train(cfg)
+    except DataError as e:  # a dataset missing or malformed: say which, without a traceback
+        parser.exit(2, f"data error: {e}\n")
     from marljax.report import summarize
     s = summarize(report.parent) if sharding.is_primary() else {}
     if "final" in s:

@@ -16,7 +16,7 @@ import pytest
 from test_train import TINY
 
 from marljax.checkpoint import Checkpointer
-from marljax.config import ConfigError
+from marljax.config import ConfigError, load_config
 from marljax.train import Run
 from marljax.train import main as train_main
 
@@ -127,9 +127,9 @@ def test_resume_keeps_the_peak_and_the_lr_scale(tmp_path, scripted, monkeypatch,
     assert _equal(_state(run_dir, 10)[1], _state(straight, 10)[1])
 
 
-def test_rollback_config_errors(tmp_path):
+def test_rollback_config_errors(tmp_path):  # refused when the config loads
     with pytest.raises(ConfigError, match="rollback_lr_scale=0.5 has no effect without diagnostics.rollback_on_cliff"):
-        train_main([*TINY, "workflow=single", f"run_dir={tmp_path}", "diagnostics.rollback_lr_scale=0.5"])
+        load_config(None, [*TINY, "workflow=single", f"run_dir={tmp_path}", "diagnostics.rollback_lr_scale=0.5"])
     with pytest.raises(ConfigError, match="must be > 0"):
-        train_main([*TINY, "workflow=single", f"run_dir={tmp_path}", "diagnostics.rollback_on_cliff=true",
-                    "diagnostics.rollback_lr_scale=0"])
+        load_config(None, [*TINY, "workflow=single", f"run_dir={tmp_path}", "diagnostics.rollback_on_cliff=true",
+                           "diagnostics.rollback_lr_scale=0"])

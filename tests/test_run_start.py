@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from marljax.config import ConfigError
+from marljax.config import ConfigError, load_config
 from marljax.metrics import MetricsLogger, read_metrics
 from marljax.tasks import sandbox
 from marljax.train import main as train_main
@@ -69,7 +69,7 @@ def test_code_task_fails_closed_without_bwrap_unless_rlimits_is_asked_for(tmp_pa
         train_main([*CODE_RUN, f"run_dir={tmp_path / 'refused'}"])
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()  # refused before any rollout
     with pytest.raises(ConfigError, match=r"task\.sandbox='docker'; choose 'bwrap'.* or 'rlimits'"):
-        train_main([*CODE_RUN, f"run_dir={tmp_path / 'typo'}", "task.sandbox=docker"])
+        load_config(None, [*CODE_RUN, f"run_dir={tmp_path / 'typo'}", "task.sandbox=docker"])  # refused at load
     capsys.readouterr()
     run_dir = tmp_path / "unisolated"
     train_main([*CODE_RUN, f"run_dir={run_dir}", "task.sandbox=rlimits"])
@@ -82,3 +82,12 @@ def test_code_task_fails_closed_without_bwrap_unless_rlimits_is_asked_for(tmp_pa
                                  "group only, NO filesystem or network isolation"), first_line
     assert read_metrics(run_dir)[0] == {"step": 0, "sandbox/mode": "rlimits"}
     assert _steps(run_dir) == [0, 1]
+
+
+def test_a_missing_dataset_is_one_line_from_the_cli(tmp_path, capsys):
+    """`python -m marljax.train task=gsm8k task.path=/nonexistent`: exit 2 with the data error, no traceback."""
+    with pytest.raises(SystemExit) as e:
+        train_main([*TINY, "task=gsm8k", "task.path=/nonexistent", "task.options={}", f"run_dir={tmp_path}"])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("data error: /nonexistent: no such file or directory. Download the dataset")

@@ -134,10 +134,10 @@ def test_config_errors_name_the_problem(tmp_path):
     with pytest.raises(ConfigError, match="key=value"):
         load_config(None, ["steps"])
     cfg = load_config(None, ["task=gsm8k", "task.path=/data/gsm8k", "policy.generator=a", "policy.aggregator=b",
-                             "rl.kl_beta.evaluator=0.01"])
+                             "rl.kl_beta.aggregator=0.01"])
     assert cfg.task.name == "gsm8k" and cfg.task.path == "/data/gsm8k"
     assert cfg.policy == {"generator": "a", "aggregator": "b"}
-    assert cfg.rl.kl_beta == {"evaluator": 0.01}
+    assert cfg.rl.kl_beta == {"aggregator": 0.01}
     bad = tmp_path / "bad.yaml"
     bad.write_text("- a list\n")
     with pytest.raises(ConfigError, match="mapping"):

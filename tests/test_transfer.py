@@ -95,7 +95,7 @@ def test_transfer_errors(single, tmp_path, capfd):
         assert e.value.code == 2
         return capfd.readouterr().err
     assert "transfer='some'; choose one of ('all', 'generators')" in error("workflow=voting", "transfer=some")
-    assert "workflow 'votes'; known: ['eval_opt', 'orch_workers', 'single', 'voting']" in error(
+    assert "workflow.name='votes' is not one of ['eval_opt', 'orch_workers', 'single', 'voting']" in error(
         "workflow=votes", "transfer=all")
     assert "which='best'; choose one of ('newest', 'peak')" in error("which=best")
     multi = tmp_path / "multi"

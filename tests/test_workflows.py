@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import json
 import re
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from marljax.tasks.problem import Problem
-from marljax.workflows import EvalOpt, OrchWorkers, SingleAgent, Voting, get_workflow, rollout
+from marljax.workflows import WORKFLOWS, EvalOpt, OrchWorkers, SingleAgent, Voting, get_workflow, rollout
 from marljax.workflows.base import Completion, last_boxed, stage_seed
 from marljax.workflows.evaluation import evaluate_workflow
 from marljax.workflows.eval_opt import parse_verdict
@@ -487,10 +488,9 @@ def test_worked_example_changes_only_the_solve_prompt():
         else:
             assert a == b
     from marljax.config import Config
-    from marljax.train import workflow_options
     cfg = Config()
     cfg.workflow.worked_example = True
-    assert get_workflow(cfg.workflow.name, **workflow_options(cfg)).worked_example
+    assert cfg.workflow.build().worked_example
 
 
 def test_default_reward_is_the_problems_own():
@@ -509,3 +509,44 @@ def test_code_voting_rewards_the_chosen_program_in_the_sandbox():
     out = rollout(Voting(n_votes=2), [add], policy, CODEC, ISOLATED)  # reward_fn: Problem.reward (sandbox)
     assert out.episodes[0].final == programs[1] and out.episodes[0].reward == 1.0
     assert [c.correct for c in out.calls[:2]] == [0.0, 1.0] and not any(c.parse_failed for c in out.calls)
+
+
+# ---------------------------------------------------------------- declarations
+
+
+def longest_reply():
+    """Every call a distinct text; the evaluator never satisfied, the orchestrator over-delivering: the
+    longest episode each workflow can run."""
+    count = itertools.count()
+
+    def reply(role, slot, turn, msgs):
+        if role == "orchestrator":
+            return "\n".join(f"STRATEGY {k}: plan idea {k}" for k in range(1, 6))
+        return f"{role} text {next(count)}: \\boxed{{Incorrect}}"
+    return reply
+
+
+@pytest.mark.parametrize("kind", ["math", "code"])
+@pytest.mark.parametrize("name", sorted(WORKFLOWS))
+def test_declared_stages_and_counts_are_the_episode_scripts(name, kind):
+    """`sampler_stages` (what the matrix prices) is what the script runs in its longest case: per stage the
+    role, its calls, and how many earlier responses and notes (strategies) each prompt holds;
+    `same_role_counts` are the parallel calls of those roles; `roles` the roles that speak."""
+    workflow = get_workflow(name)
+    p = Problem(id="p0", question="What is 0 + 42?", kind=kind, answer="42")
+    out, _ = run(workflow, longest_reply(), problems=[p])
+    [episode] = out.episodes
+    calls = [out.calls[i] for i in episode.call_ids]
+    strategies = [f"plan idea {k}" for k in range(1, 6)]
+    seen = []
+    for st, stage in zip(workflow.sampler_stages(kind), sorted({c.stage for c in calls}), strict=True):
+        here = [c for c in calls if c.stage == stage]
+        assert [c.role for c in here] == [st.role] * st.calls
+        for c in here:
+            prompt = "".join(m["content"] for m in c.messages)
+            assert sum(t in prompt for t in seen) == st.responses
+            assert sum(s in prompt for s in strategies) == st.notes
+        seen += [c.text for c in here]
+    assert sorted({c.role for c in calls}) == sorted(workflow.roles)
+    assert workflow.same_role_counts() == {r: n for r, n in collections.Counter(c.role for c in calls).items()
+                                           if max(c.slot for c in calls if c.role == r) > 0}

@@ -38,6 +38,7 @@ from marljax.models.attention import attention, causal_attention, resolve_attent
 from marljax.sharding import constrain
 
 # Linear maps of one layer: name -> (input logical axes, output logical axes).
+DTYPES = ("float32", "bfloat16")  # parameter dtypes a model can hold
 LINEAR_AXES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "wq": (("embed",), ("heads", "head_dim")),
     "wk": (("embed",), ("kv_heads", "head_dim")),
@@ -72,7 +73,7 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
                 "grouped-query attention needs an integer group size.")
-        if self.dtype not in ("float32", "bfloat16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; use 'float32' or 'bfloat16'.")
 
     def linear_shape(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -29,6 +29,7 @@ from marljax.rl.registry import Registry
 GroupKeyFn = Callable[..., Hashable]  # (problem, rollout, role, slot, turn, *, split_slots) -> key
 EstimatorFn = Callable[[np.ndarray, "AdvantageConfig"], np.ndarray]  # group rewards (n >= 2) -> adv
 
+REWARD_ROUTINGS = ("broadcast", "per_role")  # see `route_rewards`
 _GROUP_KEYS: Registry[GroupKeyFn] = Registry("group key")
 _ESTIMATORS: Registry[EstimatorFn] = Registry("advantage estimator")
 
@@ -116,7 +117,7 @@ def route_rewards(routing: str, episode_reward, role_reward=None) -> np.ndarray:
         if np.any(np.isinf(rr)):
             raise ValueError("role_reward has infinite values; use NaN for 'no role-specific reward'.")
         return np.where(np.isnan(rr), ep, rr)
-    raise ValueError(f"unknown reward_routing {routing!r}; expected 'broadcast' or 'per_role'.")
+    raise ValueError(f"unknown reward_routing {routing!r}; expected one of {REWARD_ROUTINGS}.")
 
 
 def group_keys(problem_id, rollout, role, slot, turn, *, preset: str = "paper",

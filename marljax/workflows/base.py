@@ -193,13 +193,28 @@ class Rollout:
 
 
 @dataclasses.dataclass(frozen=True)
+class SamplerStage:
+    """One sampler round of an episode in its longest case, as the experiment matrix prices it: `calls`
+    calls of `role`, each prompt holding the problem, `responses` earlier full responses and `notes` short
+    texts of a few lines (an Orch-Workers strategy each)."""
+
+    role: str
+    calls: int
+    responses: int = 0
+    notes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Workflow:
-    """A multi-agent workflow: a pure description of an episode's role calls.
+    """A multi-agent workflow: a pure description of an episode's role calls, and its declaration.
 
     Subclasses set `name`, `roles`, `graded_roles` (roles whose own output is a complete answer, re-graded
-    for per-role accuracy) and `slot_grouped_roles` (parallel same-role slots that stay separate GRPO
-    groups under the paper preset), and implement `episode`. `worked_example`: the solve prompt shows one
-    worked example of the answer format (for small models; the paper's prompts are zero-shot).
+    for per-role accuracy), `slot_grouped_roles` (parallel same-role slots that stay separate GRPO
+    groups under the paper preset) and `max_prompt_tokens` (the paper's prompt cap by problem kind);
+    implement `episode` and `sampler_stages`, and `same_role_counts` when a role runs in parallel; and
+    register with `workflows.registry.register`. Its options are its dataclass fields (config keys
+    `workflow.<field>`). `worked_example`: the solve prompt shows one worked example of the answer format
+    (for small models; the paper's prompts are zero-shot).
     """
 
     worked_example: bool = False
@@ -208,6 +223,15 @@ class Workflow:
     roles: ClassVar[tuple[str, ...]]
     graded_roles: ClassVar[frozenset[str]] = frozenset()
     slot_grouped_roles: ClassVar[frozenset[str]] = frozenset()
+    max_prompt_tokens: ClassVar[Mapping[str, int]]
+
+    def same_role_counts(self) -> dict[str, int]:
+        """N parallel same-role agents per role that has them (voters, workers), for `rl.same_role_scale`."""
+        return {}
+
+    def sampler_stages(self, kind: str) -> tuple[SamplerStage, ...]:
+        """The episode's sampler rounds in order, in the longest case (every iteration and subtask runs)."""
+        raise NotImplementedError
 
     def prompts(self, kind: str) -> PromptSet:
         """This workflow's prompt set for a problem kind."""

@@ -13,9 +13,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from marljax.tasks.problem import Problem
-from marljax.workflows.base import (EVALUATOR, GENERATOR, CallRecord, EpisodeScript, Outcome, RoleCall, Workflow,
-                                    assistant, last_boxed, user)
+from marljax.workflows.base import (EVALUATOR, GENERATOR, CallRecord, EpisodeScript, Outcome, RoleCall, SamplerStage,
+                                    Workflow, assistant, last_boxed, user)
 from marljax.workflows.limits import MAX_ITERATIONS
+from marljax.workflows.registry import register
 
 
 def parse_verdict(text: str) -> str | None:
@@ -24,6 +25,7 @@ def parse_verdict(text: str) -> str | None:
     return verdict.lower() if verdict else None
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class EvalOpt(Workflow):
     """`max_iterations`: evaluator calls per episode at most (= generator calls at most); None → the
@@ -34,6 +36,7 @@ class EvalOpt(Workflow):
     name = "eval_opt"
     roles = (GENERATOR, EVALUATOR)
     graded_roles = frozenset({GENERATOR})
+    max_prompt_tokens = {"math": 30720, "code": 10240}
 
     def __post_init__(self):
         if self.max_iterations is not None and self.max_iterations < 1:
@@ -41,6 +44,11 @@ class EvalOpt(Workflow):
 
     def iterations(self, kind: str) -> int:
         return self.max_iterations if self.max_iterations is not None else MAX_ITERATIONS[kind]
+
+    def sampler_stages(self, kind: str) -> tuple[SamplerStage, ...]:
+        """Generator turn k sees k solutions and k verdicts; evaluator turn k one more solution."""
+        return tuple(SamplerStage(role, 1, responses=2 * k + (role == EVALUATOR))
+                     for k in range(self.iterations(kind)) for role in (GENERATOR, EVALUATOR))
 
     def episode(self, problem: Problem) -> EpisodeScript:
         prompts = self.prompts(problem.kind)

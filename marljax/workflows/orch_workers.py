@@ -14,9 +14,10 @@ import dataclasses
 import re
 
 from marljax.tasks.problem import Problem
-from marljax.workflows.base import (ORCHESTRATOR, SYNTHESIZER, WORKER, EpisodeScript, Outcome, RoleCall, Workflow,
-                                    user)
+from marljax.workflows.base import (ORCHESTRATOR, SYNTHESIZER, WORKER, EpisodeScript, Outcome, RoleCall, SamplerStage,
+                                    Workflow, user)
 from marljax.workflows.prompts import format_solutions
+from marljax.workflows.registry import register
 
 _STRATEGY_HEADER = re.compile(r"STRATEGY\s*(\d+)\s*:", re.IGNORECASE)
 _NUMBERED_HEADER = re.compile(r"^[ \t]*(\d+)[.)][ \t]+", re.MULTILINE)
@@ -49,6 +50,7 @@ def parse_strategies(text: str, max_subtasks: int) -> Strategies:
     return Strategies((), "none")
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class OrchWorkers(Workflow):
     max_subtasks: int = 3
@@ -56,10 +58,20 @@ class OrchWorkers(Workflow):
     name = "orch_workers"
     roles = (ORCHESTRATOR, WORKER, SYNTHESIZER)
     graded_roles = frozenset({WORKER})
+    max_prompt_tokens = {"math": 20480, "code": 10240}
 
     def __post_init__(self):
         if self.max_subtasks < 1:
             raise ValueError(f"max_subtasks must be >= 1, got {self.max_subtasks}")
+
+    def same_role_counts(self) -> dict[str, int]:
+        return {WORKER: self.max_subtasks}
+
+    def sampler_stages(self, kind: str) -> tuple[SamplerStage, ...]:
+        """Each worker sees one strategy; the synthesizer every solution with its strategy."""
+        m = self.max_subtasks
+        return (SamplerStage(ORCHESTRATOR, 1), SamplerStage(WORKER, m, notes=1),
+                SamplerStage(SYNTHESIZER, 1, responses=m, notes=m))
 
     def episode(self, problem: Problem) -> EpisodeScript:
         prompts = self.prompts(problem.kind)

@@ -9,8 +9,10 @@ import dataclasses
 import re
 
 from marljax.tasks.problem import Problem
-from marljax.workflows.base import AGGREGATOR, GENERATOR, EpisodeScript, Outcome, RoleCall, Workflow, user
+from marljax.workflows.base import (AGGREGATOR, GENERATOR, EpisodeScript, Outcome, RoleCall, SamplerStage, Workflow,
+                                    user)
 from marljax.workflows.prompts import format_solutions
+from marljax.workflows.registry import register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,7 @@ def parse_choice(text: str, n: int) -> Choice:
     return Choice(1, "default")
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class Voting(Workflow):
     n_votes: int = 3
@@ -44,10 +47,17 @@ class Voting(Workflow):
     roles = (GENERATOR, AGGREGATOR)
     graded_roles = frozenset({GENERATOR})
     slot_grouped_roles = frozenset({GENERATOR})
+    max_prompt_tokens = {"math": 20480, "code": 10240}
 
     def __post_init__(self):
         if self.n_votes < 1:
             raise ValueError(f"n_votes must be >= 1, got {self.n_votes}")
+
+    def same_role_counts(self) -> dict[str, int]:
+        return {GENERATOR: self.n_votes}
+
+    def sampler_stages(self, kind: str) -> tuple[SamplerStage, ...]:
+        return SamplerStage(GENERATOR, self.n_votes), SamplerStage(AGGREGATOR, 1, responses=self.n_votes)
 
     def episode(self, problem: Problem) -> EpisodeScript:
         prompts = self.prompts(problem.kind)
