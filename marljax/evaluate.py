@@ -98,8 +98,8 @@ def build(checkpoint: pathlib.Path | None, config_file: str | None, overrides: l
             raise ConfigError(f"transfer={transfer!r}; choose one of {pm.TRANSFER_MODES}.")
         cfg.policy = dict(pm.transfer(target.roles, target.graded_roles, transfer).route)
     cfg = resolve(cfg)
-    policy = build_policy(cfg)
     problems = build_problems(cfg)
+    policy = build_policy(cfg)
     workflow, policy_map = build_workflow(cfg)
     params = policy.init_params(cfg, policy_map.sets)
     step = None

@@ -4,7 +4,8 @@ The base config: `--config FILE` if given; with no arguments at all, configs/def
 demo); with only key=value overrides, the paper's settings (the dataclass defaults of marljax.config).
 The first lines printed (stderr) name the base and every key that departs from the paper's settings.
 
-Loop per step: rollout (batched workflow engine over the policy sets) → rewards → group advantages →
+Build (`build_policy`, `build_problems`, `build_workflow`, shared with `marljax.evaluate`), resume, then
+loop per step: rollout (batched workflow engine over the policy sets) → rewards → group advantages →
 one jitted update per mini-batch (per-role grads, diagnostics, per-set AdamW) → metrics. Evaluation
 (workflow pass@1 on held-out problems) before step 1 and every `eval.every` steps; Orbax checkpoints
 every `checkpoint.every` steps; re-running on a run_dir with a checkpoint resumes it exactly, on one without
@@ -183,8 +184,8 @@ class Run:
         self.cfg = cfg = resolve(cfg)
         self.run_dir = pathlib.Path(cfg.run_dir)
         check_rollback(cfg.diagnostics)
+        self.problems = build_problems(cfg)  # before the model: a sandbox that cannot grade fails fast
         self.policy = build_policy(cfg)
-        self.problems = build_problems(cfg)
         self.workflow, self.policy_map = build_workflow(cfg)
         self.route = dict(self.policy_map.route)
         self.lora_cfg = self.policy.lora_cfg
