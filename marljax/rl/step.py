@@ -50,7 +50,7 @@ from flax import nnx
 from marljax.models.attention import check_attention
 from marljax.models.decoder import REMAT, Decoder
 from marljax.models.logprobs import target_logprobs
-from marljax.rl.losses import LossConfig, sequence_losses
+from marljax.rl.losses import LossConfig, metric_weight, sequence_losses
 from marljax.rl.state import TrainState, with_learning_rate
 from marljax.rl.step_metrics import BatchMetrics, RoleMetrics, SetMetrics, StepMetrics, average
 from marljax.sampling import bucket, bucket_rows
@@ -86,6 +86,7 @@ class StepConfig:
     minibatch_size: int = 512
     remat: str = "full"  # decoder.REMAT: full | dots | none
     attention: str = "auto"  # models.attention.ATTENTIONS: auto | dense | blockwise | cudnn | splash
+    micro_batch_tokens: int = 0  # per data-parallel rank, rows × positions of one forward/backward; 0: off
 
     def __post_init__(self):
         if self.role_weighting not in ROLE_WEIGHTINGS:
@@ -97,6 +98,9 @@ class StepConfig:
         check_attention(self.attention)
         if not 0.0 <= self.damping_lambda <= 1.0:
             raise ValueError(f"rl.damping_lambda={self.damping_lambda} must be in [0, 1].")
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"rl.micro_batch_tokens={self.micro_batch_tokens} must be ≥ 0 (0: one forward/backward "
+                             "per role and mini-batch).")
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -147,6 +151,32 @@ class RoleGrad(NamedTuple):
     gap: dict[str, jax.Array]  # `logp_gap`
 
 
+class RolePart(NamedTuple):
+    """One role's sums over one micro-batch: `RoleGrad`'s quantities before normalisation, so that the
+    micro-batches of a mini-batch add up to the whole mini-batch's `RoleGrad` (`finish`)."""
+
+    grad: dict  # ∇ Σ_b seq_b
+    seq_sum: jax.Array  # Σ_b seq_b
+    n_seq: jax.Array  # the aggregation's normaliser over the micro-batch (it adds over rows)
+    n_tok: jax.Array  # response tokens
+    terms: dict[str, jax.Array]  # each `sequence_losses` metric × what it averages over (`metric_weight`)
+    gap_sum: jax.Array  # Σ |sampler − trainer| logprob over tokens carrying the sampler's
+    gap_tokens: jax.Array  # how many tokens that is
+    gap_max: jax.Array
+
+    def __add__(self, other: RolePart) -> RolePart:
+        added = jax.tree.map(jnp.add, self._replace(gap_max=0.0), other._replace(gap_max=0.0))
+        return added._replace(gap_max=jnp.maximum(self.gap_max, other.gap_max))
+
+    def finish(self) -> RoleGrad:
+        """The mini-batch's `RoleGrad`: gradient and loss over the total normaliser, metrics over theirs."""
+        norm = jnp.maximum(self.n_seq, 1.0)
+        grad = _scale(self.grad, 1.0 / norm)
+        terms = {k: v / jnp.maximum(metric_weight(k, self.n_tok, self.n_seq), 1.0) for k, v in self.terms.items()}
+        gap = {"logp_gap": self.gap_sum / jnp.maximum(self.gap_tokens, 1.0), "logp_gap_max": self.gap_max}
+        return RoleGrad(grad, self.seq_sum / norm, optax.tree.norm(grad), self.n_seq, terms, gap)
+
+
 class Trainer:
     """Holds the frozen base, the step config and the optimizer; `update` is the jitted step."""
 
@@ -161,6 +191,9 @@ class Trainer:
         extra = {} if out_shardings is None else {"out_shardings": out_shardings}
         self._update_jit = jax.jit(self._update, static_argnames=("recompute_old",), donate_argnums=(1,),
                                    **extra)
+        self._apply_jit = jax.jit(self._apply, donate_argnums=(0,), **extra)
+        self._part_jit = jax.jit(self._role_part, static_argnames=("role", "recompute_old"))
+        self._add_jit = jax.jit(RolePart.__add__, donate_argnums=(0,))
         self._logprobs_jit = jax.jit(self._all_logprobs)
 
     def init_state(self, params: dict) -> TrainState:
@@ -172,6 +205,21 @@ class Trainer:
                ) -> tuple[TrainState, StepMetrics]:
         """The jitted step (donates `state`); see the module docstring."""
         return self._update_jit(self.base_state, state, batches, lr, recompute_old=recompute_old)
+
+    def accumulated_update(self, state: TrainState, micro: dict[str, list[RoleBatch]], lr, *, recompute_old
+                           ) -> tuple[TrainState, StepMetrics]:
+        """The same step as `update` with each role's mini-batch given as micro-batches (`micro_batches`):
+        one jitted forward/backward per micro-batch adds into the role's sums, then one jitted call turns
+        them into the roles' gradients and takes the optimizer steps. Donates `state`."""
+        grads = {}
+        for role, batches in micro.items():
+            trainable = state.params[self.cfg.set_of(role)]
+            total = None
+            for batch in batches:
+                part = self._part_jit(self.base_state, trainable, batch, role=role, recompute_old=recompute_old)
+                total = part if total is None else self._add_jit(total, part)
+            grads[role] = total
+        return self._apply_jit(state, grads, lr)
 
     def logprobs(self, params, batches: dict[str, RoleBatch]):
         """Jitted response log-probs of every role under its set's current parameters."""
@@ -201,7 +249,8 @@ class Trainer:
         return {r: self.response_logprobs(params[self.cfg.set_of(r)], b, base=base)
                 for r, b in batches.items()}
 
-    def role_loss(self, trainable, batch: RoleBatch, role: str, recompute_old: bool, base=None):
+    def _role_terms(self, trainable, batch: RoleBatch, role: str, recompute_old: bool, base):
+        """`sequence_losses` of the role's samples and the trainer-side log-probs they were scored with."""
         logp_br = self.response_logprobs(trainable, batch, base=base)
         old_br = batch.old_logp_br if recompute_old else jax.lax.stop_gradient(logp_br)
         beta = dict(self.cfg.kl_beta).get(role, 0.0)
@@ -211,14 +260,35 @@ class Trainer:
             kl_b = jnp.full(batch.adv_b.shape, beta, jnp.float32)
         seq_b, denom, terms = sequence_losses(logp_br, old_br, batch.adv_b, batch.resp_mask_br,
                                               self.cfg.loss, ref_br, kl_b)
+        return seq_b, denom, terms, jax.lax.stop_gradient(old_br)
+
+    def role_loss(self, trainable, batch: RoleBatch, role: str, recompute_old: bool, base=None):
+        seq_b, denom, terms, old_br = self._role_terms(trainable, batch, role, recompute_old, base)
         loss = jnp.sum(seq_b) / jnp.maximum(denom, 1.0)
-        return loss, (denom, terms, logp_gap(jax.lax.stop_gradient(old_br), batch))
+        return loss, (denom, terms, logp_gap(old_br, batch))
+
+    def _role_sum(self, trainable, batch: RoleBatch, role: str, recompute_old: bool, base):
+        """Σ_b seq_b of one micro-batch (differentiated) and its unnormalised metrics (`RolePart`)."""
+        seq_b, denom, terms, old_br = self._role_terms(trainable, batch, role, recompute_old, base)
+        n_tok = jnp.sum(batch.resp_mask_br)
+        gap_mask_br = batch.resp_mask_br * batch.has_sampler_b[:, None]
+        gap_br = jnp.abs(batch.sampler_logp_br - old_br) * gap_mask_br
+        seq_sum = jnp.sum(seq_b)
+        part = RolePart(None, seq_sum, denom, n_tok, {k: v * metric_weight(k, n_tok, denom) for k, v in terms.items()},
+                        jnp.sum(gap_br), jnp.sum(gap_mask_br), jnp.max(gap_br))
+        return seq_sum, part
 
     # ---- the step ----------------------------------------------------------------------------
     def _update(self, base, state: TrainState, batches: dict[str, RoleBatch], lr, *, recompute_old):
-        cfg = self.cfg
-        grads = {role: self._role_grad(base, state.params[cfg.set_of(role)], batch, role, recompute_old)
+        grads = {role: self._role_grad(base, state.params[self.cfg.set_of(role)], batch, role, recompute_old)
                  for role, batch in batches.items()}
+        return self._apply(state, grads, lr)
+
+    def _apply(self, state: TrainState, grads: dict[str, RoleGrad | RolePart], lr) -> tuple[TrainState, StepMetrics]:
+        """Every set's combine + optimizer step from its roles' gradients (`RolePart` sums are finished
+        first)."""
+        cfg = self.cfg
+        grads = {r: g.finish() if isinstance(g, RolePart) else g for r, g in grads.items()}
         params, opt_state, ema = dict(state.params), dict(state.opt_state), dict(state.ema)
         roles: dict[str, RoleMetrics] = {}
         sets: dict[str, SetMetrics] = {}
@@ -233,13 +303,18 @@ class Trainer:
             roles.update(role_m)
             cos.update(set_cos)
         return (TrainState(params, opt_state, ema, state.step),
-                StepMetrics(roles={r: roles[r] for r in batches}, sets=sets, cos=cos))
+                StepMetrics(roles={r: roles[r] for r in grads}, sets=sets, cos=cos))
 
     def _role_grad(self, base, trainable, batch: RoleBatch, role: str, recompute_old: bool) -> RoleGrad:
         """The role's loss on its samples and its gradient w.r.t. its own set's parameters."""
         (loss, (n_seq, terms, gap)), grad = jax.value_and_grad(self.role_loss, has_aux=True)(
             trainable, batch, role, recompute_old, base)
         return RoleGrad(grad, loss, optax.tree.norm(grad), n_seq, terms, gap)
+
+    def _role_part(self, base, trainable, batch: RoleBatch, *, role: str, recompute_old: bool) -> RolePart:
+        """One micro-batch's `RolePart` of a role: its sums and the gradient of its Σ seq_b."""
+        (_, part), grad = jax.value_and_grad(self._role_sum, has_aux=True)(trainable, batch, role, recompute_old, base)
+        return part._replace(grad=grad)
 
     def _set_update(self, grads: dict[str, RoleGrad], params, opt_state, ema: dict, lr):
         """Combine the set's role gradients (weights × damping) into G and take one clip + AdamW step;
@@ -411,24 +486,58 @@ def minibatches(samples: list[Sample], cfg: StepConfig, *, seed: int | None = No
     return out
 
 
+def packed_tokens(samples: list[Sample]) -> int:
+    """Rows × positions of `pack(samples)`: what one forward/backward over them holds in memory."""
+    return bucket_rows(max(len(samples), 1)) * length_bucket(max([len(s.prompt) + len(s.response) for s in samples]
+                                                                 + [2]) + 1)
+
+
+def micro_batches(samples: list[Sample], budget: int) -> list[list[Sample]]:
+    """One role's samples cut into micro-batches of at most `budget` packed tokens (`packed_tokens`),
+    longest first so each holds samples of similar length (little padding); a sample over the budget on
+    its own is a micro-batch of one. `budget` 0: one micro-batch."""
+    if budget <= 0 or not samples:
+        return [samples]
+    out: list[list[Sample]] = [[]]
+    for s in sorted(samples, key=lambda s: len(s.prompt) + len(s.response), reverse=True):
+        if out[-1] and packed_tokens(out[-1] + [s]) > budget:
+            out.append([])
+        out[-1].append(s)
+    return out
+
+
+def _with_old_logprobs(trainer: Trainer, params, mb: dict[str, list[RoleBatch]]) -> dict[str, list[RoleBatch]]:
+    """`mb` with each batch's `old_logp_br` set to its log-probs under `params`: one call for the
+    mini-batch when every role is one batch, one per micro-batch otherwise."""
+    if all(len(bs) == 1 for bs in mb.values()):
+        logp = trainer.logprobs(params, {r: bs[0] for r, bs in mb.items()})
+        return {r: [bs[0]._replace(old_logp_br=logp[r])] for r, bs in mb.items()}
+    return {r: [b._replace(old_logp_br=trainer.logprobs(params, {r: b})[r]) for b in bs] for r, bs in mb.items()}
+
+
 def train_batch(trainer: Trainer, state: TrainState, samples: list[Sample], lr: float, *,
-                seed: int | None = None) -> tuple[TrainState, BatchMetrics]:
+                seed: int | None = None, ranks: int = 1) -> tuple[TrainState, BatchMetrics]:
     """All optimizer steps of one training step: the new state (its `step` one higher) and the
     mini-batches' metrics averaged (`step_metrics.average`). `seed`: the mini-batch shuffle (see
-    `minibatches`); derive it from (run seed, step) so a resumed run repeats it."""
+    `minibatches`); derive it from (run seed, step) so a resumed run repeats it. With
+    `rl.micro_batch_tokens`, each role's part of a mini-batch is cut into micro-batches of at most that many
+    tokens per data-parallel rank (`ranks` of them share a micro-batch's rows) and their gradients add up
+    (`Trainer.accumulated_update`): the same update, in bounded memory."""
     cfg = trainer.cfg
     mbs = minibatches(samples, cfg, seed=seed)
     roles_present = sorted({s.role for s in samples})
-    packed = []
-    for mb in mbs:
-        # every role appears in every call (empty → one all-masked row) so one compilation serves all
-        packed.append({r: pack(mb.get(r, [])) for r in roles_present})
+    budget = cfg.micro_batch_tokens * ranks
+    # every role appears in every call (empty → one all-masked row) so one compilation serves all
+    packed = [{r: [pack(m) for m in micro_batches(mb.get(r, []), budget)] for r in roles_present} for mb in mbs]
     recompute_old = len(packed) > 1
     if recompute_old:  # old log-probs under the parameters before the first update (PPO semantics)
-        packed = [{r: b._replace(old_logp_br=lp) for (r, b), lp in
-                   zip(mb.items(), trainer.logprobs(state.params, mb).values())} for mb in packed]
+        packed = [_with_old_logprobs(trainer, state.params, mb) for mb in packed]
     per_mb = []
     for mb in packed:
-        state, m = trainer.update(state, mb, jnp.float32(lr), recompute_old=recompute_old)
+        if budget > 0:
+            state, m = trainer.accumulated_update(state, mb, jnp.float32(lr), recompute_old=recompute_old)
+        else:
+            state, m = trainer.update(state, {r: bs[0] for r, bs in mb.items()}, jnp.float32(lr),
+                                      recompute_old=recompute_old)
         per_mb.append(jax.device_get(m))
     return state.replace(step=state.step + 1), average(per_mb, cfg.sets)
