@@ -107,12 +107,11 @@ def train_mfu(model, cfg, plan: Plan, peak_tflops: float | None, repeats: int, l
     opt = make_optimizer()
     params = {"g": init_lora(cfg, LORA, jax.random.key(0), jnp.float32) if lora
               else jax.tree.map(jnp.array, nnx.state(model, nnx.Param))}
-    state = {"params": params, "opt": {"g": opt.init(params["g"])}}
     trainer = Trainer(model, step, opt)
+    state = {"train": trainer.init_state(params)}
 
     def one():
-        state["params"], state["opt"], _, m = trainer.update(state["params"], state["opt"], {}, batch,
-                                                              jnp.float32(1e-5), recompute_old=False)
+        state["train"], m = trainer.update(state["train"], batch, jnp.float32(1e-5), recompute_old=False)
         jax.block_until_ready(m)
 
     seconds = timed(one, repeats)

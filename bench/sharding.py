@@ -36,6 +36,7 @@ from flax import nnx  # noqa: E402
 from marljax import sharding  # noqa: E402
 from marljax.models.decoder import Decoder, ModelConfig  # noqa: E402
 from marljax.models.lora import LoRAConfig, init_lora  # noqa: E402
+from marljax.rl.state import TrainState  # noqa: E402
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack  # noqa: E402
 from marljax.sampling import SamplingParams, generate  # noqa: E402
 from marljax.sharding import MeshConfig  # noqa: E402
@@ -72,22 +73,23 @@ def measure(mesh_cfg: MeshConfig | None, repeats: int) -> dict:
         p_sh = {s: sharding.trainable_shardings(p, model, mesh, rules) for s, p in params.items()}
         o_sh = {s: sharding.optimizer_shardings(opt, params[s], p_sh[s], mesh) for s in params}
         params = jax.device_put(params, p_sh)
-        out_shardings = (p_sh, o_sh, {}, sharding.replicated(mesh))
+        rep = sharding.replicated(mesh)
+        out_shardings = (TrainState(p_sh, o_sh, {}, rep), rep)
         ctx = sharding.use_mesh(mesh, rules)
-    opt_states = {s: opt.init(p) for s, p in params.items()}
     trainer = Trainer(model, STEP, opt, out_shardings=out_shardings)
+    state = trainer.init_state(params)
     data, lr = batches(), jnp.float32(1e-4)
     prompts = [list(range(3 + i, 40 + i)) for i in range(SAMPLE_PROMPTS)]
     sp = SamplingParams(max_new_tokens=SAMPLE_NEW, temperature=0.0)
     with ctx:
         t = time.perf_counter()
-        params, opt_states, _, m = trainer.update(params, opt_states, {}, data, lr, recompute_old=False)
+        state, m = trainer.update(state, data, lr, recompute_old=False)
         jax.block_until_ready(m)
         compile_train = time.perf_counter() - t
         train = []
         for _ in range(repeats):
             t = time.perf_counter()
-            params, opt_states, _, m = trainer.update(params, opt_states, {}, data, lr, recompute_old=False)
+            state, m = trainer.update(state, data, lr, recompute_old=False)
             jax.block_until_ready(m)
             train.append(time.perf_counter() - t)
         t = time.perf_counter()

@@ -68,16 +68,14 @@ class Contender:
         self.batch = batch
         self.trainer = Trainer(model, StepConfig(route=(("generator", "g"),), lora_scale=lc.scale if lora else None,
                                                  minibatch="balanced", remat=remat), opt)
-        self.params = {"g": init_lora(model.config, lc, jax.random.key(0)) if lora
-                       else jax.tree.map(jax.numpy.array, self.trainer.base_state)}
-        self.opt_state = {"g": opt.init(self.params["g"])}
+        self.state = self.trainer.init_state({"g": init_lora(model.config, lc, jax.random.key(0)) if lora
+                                              else jax.tree.map(jax.numpy.array, self.trainer.base_state)})
 
     def step(self) -> tuple[float, int, float]:
         """One `Trainer.update`: (seconds, minor page faults, kernel CPU seconds)."""
         r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        self.params, self.opt_state, _, _ = self.trainer.update(self.params, self.opt_state, {}, self.batch,
-                                                                np.float32(1e-5), recompute_old=False)
-        jax.block_until_ready(self.params)
+        self.state, _ = self.trainer.update(self.state, self.batch, np.float32(1e-5), recompute_old=False)
+        jax.block_until_ready(self.state.params)
         seconds, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
         return seconds, r1.ru_minflt - r0.ru_minflt, r1.ru_stime - r0.ru_stime
 
@@ -110,7 +108,7 @@ def main():
     time.sleep(1)
     roofs.append(matmul_gflops(reps=20))
     roof, peak = statistics.median(roofs), max(roofs)
-    length, resp = batch["generator"].tokens_nt.shape[1], batch["generator"].resp_mask_nr.shape[1]
+    length, resp = batch["generator"].tokens_bt.shape[1], batch["generator"].resp_mask_br.shape[1]
     n_tokens = args.batch * length
     lines = ["## Train step (SmolLM2-135M, CPU)", "",
              f"`python bench/train_step.py --batch {args.batch} --length {args.length} --repeats {args.repeats}` "

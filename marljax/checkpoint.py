@@ -1,5 +1,6 @@
-"""Orbax checkpoints of a training run: every parameter set, optimizer states, EMA grads, and a JSON
-record (step, trackers, counters), so a killed run resumes exactly where it stopped.
+"""Orbax checkpoints of a training run: its `TrainState` (every parameter set, optimizer states, EMA
+grads, step) as it is, and a JSON record (step, trackers, counters), so a killed run resumes exactly where
+it stopped. `restore_params` reads the parameter sets alone (evaluation needs no optimizer state).
 
 Two directories: RUN_DIR/checkpoints holds the newest `keep` states (resume); RUN_DIR/peak holds the
 state of the best held-out eval (the cliff rollback's target, and `evaluate which=peak`). The peak
@@ -9,6 +10,7 @@ one. At most two states.
 """
 from __future__ import annotations
 
+import contextlib
 import pathlib
 from typing import Any
 
@@ -67,27 +69,53 @@ class Checkpointer:
                 self.peaks.delete(s)
 
     def restore(self, target: Any, step: int | None = None, *, which: str = "newest") -> tuple[int, Any, dict]:
-        """Restore into the structure, dtypes and shardings of `target` (as saved when None): the newest
-        checkpoint (`which="newest"`) or the peak (`which="peak"`); `step` picks another one."""
+        """Restore into the structure, dtypes and shardings of `target` (a `TrainState`; as saved, nested
+        dicts, when None): the newest checkpoint (`which="newest"`) or the peak (`which="peak"`); `step`
+        picks another one."""
+        step, where = self._find(step, which)
+        manager = self.manager if which == "newest" else self.peaks
+        with _mismatch(where, step):
+            out = manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+        return step, out["state"], out["meta"]
+
+    def restore_params(self, target: dict, step: int | None = None, *, which: str = "newest") -> tuple[int, dict]:
+        """(step, the parameter sets alone) restored into the structure, dtypes and shardings of `target`
+        ({set: parameters}, or any subset of the saved sets); optimizer states and EMA are not read."""
+        step, where = self._find(step, which)
+        with ocp.CheckpointManager(where, item_handlers={"state": ocp.PyTreeCheckpointHandler()},
+                                   options=ocp.CheckpointManagerOptions(create=False)) as manager, \
+                _mismatch(where, step):
+            item = {"params": target}
+            out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+        return step, out["state"]["params"]
+
+    def _find(self, step: int | None, which: str) -> tuple[int, pathlib.Path]:
+        """(the step to restore: `step`, or the newest one of `which`; its directory)."""
         if which not in WHICH:
             raise ValueError(f"which={which!r}; choose one of {WHICH}.")
         manager, where = (self.manager, self.dir) if which == "newest" else (self.peaks, self.peak_dir)
         step = manager.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"No {'checkpoint' if which == 'newest' else 'peak checkpoint'} under {where}.")
-        try:
-            out = manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(
-                f"Checkpoint {where}/{step} does not match this run's config (model, policy map, "
-                f"LoRA settings must be the same as when it was written): {e}. Use a new run_dir, or "
-                "the config the run was started with (RUN_DIR/config.yaml).") from e
-        return step, out["state"], out["meta"]
+        return step, where
 
     def close(self):
         self.manager.close()
         self.peaks.close()
+
+
+@contextlib.contextmanager
+def _mismatch(where: pathlib.Path, step: int):
+    """A restore that does not fit the target names the likely cause."""
+    try:
+        yield
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"Checkpoint {where}/{step} does not match this run's config (model, policy map, "
+            f"LoRA settings must be the same as when it was written): {e}. Use a new run_dir, or "
+            "the config the run was started with (RUN_DIR/config.yaml).") from e
 
 
 def _save(manager: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None:

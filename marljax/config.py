@@ -170,6 +170,7 @@ class RLSection:
     logprob_temperature: float | None = None  # None: the sampling temperature (as verl)
     remat: str = StepConfig.remat  # backward-pass recompute (models.decoder.REMAT): full | dots | none
     attention: str = StepConfig.attention  # models.attention.ATTENTIONS: auto | dense | blockwise | cudnn | splash
+    micro_batch_tokens: int = StepConfig.micro_batch_tokens  # per data-parallel rank and forward/backward; 0: off
 
     def loss(self) -> LossConfig:
         return LossConfig(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip, agg=self.agg)
@@ -188,7 +189,8 @@ class RLSection:
             kl_beta=tuple((r, float(b)) for r, b in self.kl_beta.items()),
             damping_lambda=self.damping_lambda, damping_ema=self.damping_ema,
             logprob_temperature=self.logprob_temperature or temperature or 1.0, lora_scale=lora_scale,
-            minibatch=self.minibatch, minibatch_size=self.minibatch_size, remat=self.remat, attention=self.attention)
+            minibatch=self.minibatch, minibatch_size=self.minibatch_size, remat=self.remat, attention=self.attention,
+            micro_batch_tokens=self.micro_batch_tokens)
 
     def check(self, roles: tuple[str, ...]) -> None:
         registered("rl.estimator", self.estimator, get_estimator)

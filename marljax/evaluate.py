@@ -17,15 +17,21 @@ if __name__ == "__main__":  # the CLI keeps freed host memory: before anything i
     host_memory.opt_in("marljax.evaluate")
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
+from typing import TYPE_CHECKING
 
 import yaml
 
 from marljax import compile_cache
-from marljax.config import ConfigError, cli_config, describe, load_config, resolve, to_dict
+from marljax.config import Config, ConfigError, cli_config, describe, load_config, resolve, to_dict
 from marljax.rl import policy_map as pm
+
+if TYPE_CHECKING:
+    from marljax.train import Policy
+    from marljax.workflows import Workflow
 
 SHORTCUTS = ("n", "checkpoint", "which", "transfer")
 
@@ -54,21 +60,37 @@ def parse(argv: list[str] | None):
 TRANSFER_RESETS = ("rl.kl_beta={}",)  # with transfer=: the source's kl_beta names its roles; nothing is trained
 
 
+@dataclasses.dataclass
+class Evaluation:
+    """What an eval samples from: the resolved config, the policy, the workflow and its routing, the held-out
+    problems and the parameter sets ({set: parameters}, restored or fresh)."""
+
+    cfg: Config
+    policy: Policy
+    workflow: Workflow
+    route: dict[str, str]
+    eval_problems: list
+    params: dict
+
+    def sample_fn(self, temperature: float):
+        return self.policy.sample_fn(self.cfg, self.params, temperature)
+
+
 def build(checkpoint: pathlib.Path | None, config_file: str | None, overrides: list[str], which: str,
-          transfer: str | None):
-    """The Run to evaluate and the checkpoint step it holds (None without a checkpoint).
+          transfer: str | None) -> tuple[Evaluation, int | None]:
+    """The Evaluation and the checkpoint step its parameters come from (None without a checkpoint: fresh
+    parameters, the base model). Only parameters are restored, no optimizer state.
 
     Raises ConfigError (bad keys, transfer from a run that is not single-agent, an unknown workflow or mode)
     or FileNotFoundError (no checkpoint / peak)."""
     from marljax.checkpoint import WHICH, Checkpointer
-    from marljax.train import Run
+    from marljax.train import build_policy, build_problems, build_workflow
 
     if which not in WHICH:
         raise ConfigError(f"which={which!r}; choose one of {WHICH}.")
     if checkpoint is None and (transfer is not None or which != "newest"):
         raise ConfigError("which= and transfer= evaluate a training run; add checkpoint=RUN_DIR.")
     cfg, _ = cli_config(config_file, [*overrides, *TRANSFER_RESETS] if transfer else overrides)
-    cfg.eval.at_start = False
     target = cfg.workflow.build()
     source = load_config(config_file) if transfer is not None else None
     if transfer is not None:
@@ -78,29 +100,24 @@ def build(checkpoint: pathlib.Path | None, config_file: str | None, overrides: l
         if transfer not in pm.TRANSFER_MODES:
             raise ConfigError(f"transfer={transfer!r}; choose one of {pm.TRANSFER_MODES}.")
         cfg.policy = dict(pm.transfer(target.roles, target.graded_roles, transfer).route)
-    run = Run(cfg)
-    if checkpoint is None:
-        return run, None
-    ckpt = Checkpointer(checkpoint, cfg.checkpoint.every, cfg.checkpoint.keep)
-    try:
-        if transfer is None:
-            step, state, meta = ckpt.restore(run.state(), which=which)
-            run.load(state, meta)
-        else:
-            step, params = _single_agent_params(ckpt, run, source, which)
-            run.params = {**run.params, "sa": params}  # "base" keeps its fresh init: B = 0, the base model
-    finally:
-        ckpt.close()
-    return run, step
-
-
-def _single_agent_params(ckpt, run, source, which: str):
-    """(step, the parameter set of a single-agent run's checkpoint), laid out like `run.params["sa"]`."""
-    name = pm.from_config(source.policy, ("generator",)).route["generator"]
-    p, o = run.params["sa"], run.opt_states["sa"]
-    target = {"params": {name: p}, "opt": {name: o}, "ema": {"generator": p} if source.rl.damping_lambda > 0 else {}}
-    step, state, _ = ckpt.restore(target, which=which)
-    return step, state["params"][name]
+    cfg = resolve(cfg)
+    problems = build_problems(cfg)
+    policy = build_policy(cfg)
+    workflow, policy_map = build_workflow(cfg)
+    params = policy.init_params(cfg, policy_map.sets)
+    step = None
+    if checkpoint is not None:
+        ckpt = Checkpointer(checkpoint, cfg.checkpoint.every, cfg.checkpoint.keep)
+        try:
+            if transfer is None:
+                step, params = ckpt.restore_params(params, which=which)
+            else:  # "base" keeps its fresh init: B = 0, the base model
+                name = pm.from_config(source.policy, ("generator",)).route["generator"]
+                step, restored = ckpt.restore_params({name: params["sa"]}, which=which)
+                params = {**params, "sa": restored[name]}
+        finally:
+            ckpt.close()
+    return Evaluation(cfg, policy, workflow, dict(policy_map.route), problems.eval, params), step
 
 
 def result(ev, cfg, checkpoint: pathlib.Path, step: int, which: str, transfer: str | None,
@@ -151,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         what = f" → {cfg.workflow.name} (transfer={transfer})" if transfer else ""
         print(f"evaluating {checkpoint} {which} at step {step}{what}", file=sys.stderr)
     from marljax.workflows.evaluation import evaluate_workflow
-    ev = evaluate_workflow(run.workflow, run.eval_problems, run.sample_fn(cfg.eval.temperature), run.codec,
+    ev = evaluate_workflow(run.workflow, run.eval_problems, run.sample_fn(cfg.eval.temperature), run.policy.codec,
                            run.route, seed=cfg.seed, k=cfg.eval.k, max_prompt_tokens=run.cfg.sampling.max_prompt_tokens)
     for k, v in sorted(ev.metrics.items()):
         print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from marljax.models.decoder import Decoder, init_cache
 from marljax.models.lora import lora_delta, merged_weight
@@ -142,6 +143,20 @@ def choose(logits_bv, key, temperature: float, top_p: float, top_k: int):
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+@struct.dataclass
+class DecodeState:
+    """The decode loop's carry: the step to write next and, per row, what was generated so far."""
+
+    step: jax.Array  # int32 []: the output column the next token goes to
+    tokens: jax.Array  # int32 [B, max_new]: generated ids (0 after a row is done)
+    logprobs: jax.Array  # float32 [B, max_new]: their logprobs
+    n_out: jax.Array  # int32 [B]: tokens generated per row
+    done: jax.Array  # bool [B]: a stop token was hit, or a padding row
+    hit: jax.Array  # bool [B]: a stop token was hit
+    cache: Any  # the KV cache (`decoder.init_cache`)
+    last: jax.Array  # int32 [B]: the token generated last, the next step's input
+
+
 @functools.partial(jax.jit, static_argnums=(0,),
                    static_argnames=("max_new", "temperature", "top_p", "top_k", "stops"))
 def _sample(graphdef, state, layers, lora, tokens_bp, lengths_b, live_b, key, lora_scale, *, max_new,
@@ -164,29 +179,26 @@ def _sample(graphdef, state, layers, lora, tokens_bp, lengths_b, live_b, key, lo
     h_bpe, cache = model.hidden(tokens_bp, cache=cache, lora=lora, lora_scale=lora_scale, layers=layers)
     last_be = jnp.take_along_axis(h_bpe, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
     tok_b, logp_b = pick(last_be, 0, key)
-    out_tok = jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(tok_b)
-    out_logp = jnp.zeros((B, max_new), jnp.float32).at[:, 0].set(logp_b)
-    n_out = jnp.where(live_b, 1, 0)
-    hit = jnp.isin(tok_b, stop_ids)
-    done = ~live_b | hit
+    hit_b = jnp.isin(tok_b, stop_ids)
+    start = DecodeState(
+        step=jnp.int32(1), tokens=jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(tok_b),
+        logprobs=jnp.zeros((B, max_new), jnp.float32).at[:, 0].set(logp_b), n_out=jnp.where(live_b, 1, 0),
+        done=~live_b | hit_b, hit=hit_b, cache=cache, last=tok_b)
 
-    def cond(carry):
-        step, _, _, _, done, _, _, _ = carry
-        return (step < max_new) & ~jnp.all(done)
+    def cond(s: DecodeState):
+        return (s.step < max_new) & ~jnp.all(s.done)
 
-    def body(carry):
-        step, out_tok, out_logp, n_out, done, hit, cache, tok_b = carry
-        pos_b1 = (lengths_b + step - 1)[:, None]
-        h, cache = model.hidden(tok_b[:, None], pos_b1, cache=cache, lora=lora,
+    def body(s: DecodeState) -> DecodeState:
+        pos_b1 = (lengths_b + s.step - 1)[:, None]
+        h, cache = model.hidden(s.last[:, None], pos_b1, cache=s.cache, lora=lora,
                                 lora_scale=lora_scale, layers=layers)
-        new_tok, new_logp = pick(h[:, 0], step, key)
-        new_tok = jnp.where(done, 0, new_tok)
-        out_tok = out_tok.at[:, step].set(new_tok)
-        out_logp = out_logp.at[:, step].set(jnp.where(done, 0.0, new_logp))
-        n_out = n_out + jnp.where(done, 0, 1)
-        new_hit = ~done & jnp.isin(new_tok, stop_ids)
-        return step + 1, out_tok, out_logp, n_out, done | new_hit, hit | new_hit, cache, new_tok
+        new_tok, new_logp = pick(h[:, 0], s.step, key)
+        new_tok = jnp.where(s.done, 0, new_tok)
+        new_hit = ~s.done & jnp.isin(new_tok, stop_ids)
+        return DecodeState(step=s.step + 1, tokens=s.tokens.at[:, s.step].set(new_tok),
+                           logprobs=s.logprobs.at[:, s.step].set(jnp.where(s.done, 0.0, new_logp)),
+                           n_out=s.n_out + jnp.where(s.done, 0, 1), done=s.done | new_hit, hit=s.hit | new_hit,
+                           cache=cache, last=new_tok)
 
-    carry = (jnp.int32(1), out_tok, out_logp, n_out, done, hit, cache, tok_b)
-    _, out_tok, out_logp, n_out, _, hit, _, _ = jax.lax.while_loop(cond, body, carry)
-    return replicate((out_tok, out_logp, n_out, hit))  # readable on every host of a mesh
+    end = jax.lax.while_loop(cond, body, start)
+    return replicate((end.tokens, end.logprobs, end.n_out, end.hit))  # readable on every host of a mesh

@@ -218,6 +218,13 @@ def optimizer_shardings(optimizer: optax.GradientTransformation, params, params_
                                  is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
+def batch_ranks(mesh: Mesh, rules: Rules) -> int:
+    """How many shards a batch's rows are split into: the product of the mesh axes `rules` map `batch` to."""
+    axes = rules.get("batch")
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh.shape[a] for a in axes)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

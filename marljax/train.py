@@ -4,7 +4,8 @@ The base config: `--config FILE` if given; with no arguments at all, configs/def
 demo); with only key=value overrides, the paper's settings (the dataclass defaults of marljax.config).
 The first lines printed (stderr) name the base and every key that departs from the paper's settings.
 
-Loop per step: rollout (batched workflow engine over the policy sets) → rewards → group advantages →
+Build (`build_policy`, `build_problems`, `build_workflow`, shared with `marljax.evaluate`), resume, then
+loop per step: rollout (batched workflow engine over the policy sets) → rewards → group advantages →
 one jitted update per mini-batch (per-role grads, diagnostics, per-set AdamW) → metrics. Evaluation
 (workflow pass@1 on held-out problems) before step 1 and every `eval.every` steps; Orbax checkpoints
 every `checkpoint.every` steps; re-running on a run_dir with a checkpoint resumes it exactly, on one without
@@ -19,6 +20,7 @@ if __name__ == "__main__":  # the CLI keeps freed host memory: before anything i
     host_memory.opt_in("marljax.train")
 
 import argparse
+import dataclasses
 import json
 import math
 import pathlib
@@ -39,17 +41,20 @@ from marljax.checkpoint import Checkpointer
 from marljax.config import Config, ConfigError, cli_config, describe, leaves, load_config, resolve, to_dict
 from marljax.metrics import MetricsLogger
 from marljax.models import load_model, load_tokenizer
-from marljax.models.lora import ALL_LINEAR, LoRAConfig, init_lora
+from marljax.models.decoder import Decoder
+from marljax.models.lora import LoRAConfig, init_lora
 from marljax.models.tokenizer import ChatCodec
+from marljax.policy_sampler import PolicySampler, SamplerSettings
 from marljax.rl import policy_map as pm
 from marljax.rl.advantages import compute_advantages
 from marljax.rl.diagnostics import AccuracyTracker, DominanceTracker, LengthDrift
+from marljax.rl.state import TrainState
 from marljax.rl.step import Sample, Trainer, train_batch
-from marljax.sampling import SamplingParams, generate, layer_weights
-from marljax.shapes import bucket
+from marljax.rl.step_metrics import BatchMetrics
 from marljax.tasks.data import DataError, load_task
 from marljax.tasks.sandbox import require as require_sandbox
 from marljax.workflows import Completion, rollout
+from marljax.workflows.base import SampleFn
 from marljax.workflows.evaluation import evaluate_workflow
 from marljax.workflows.metrics import rollout_metrics
 
@@ -60,49 +65,110 @@ def minibatch_seed(seed: int, step: int) -> int:
     return int(np.random.SeedSequence([seed, step, 0x6D62]).generate_state(1)[0])
 
 
+# ---- build: the parts `train` and `evaluate` share ------------------------------------------------
+@dataclasses.dataclass
+class Policy:
+    """The model every parameter set adapts: its mesh and sharding rules, the frozen base, the chat codec
+    and the LoRA format (None: full fine-tuning, a set is the whole model)."""
+
+    mesh: jax.sharding.Mesh
+    rules: dict
+    model: Decoder
+    codec: ChatCodec
+    lora_cfg: LoRAConfig | None
+
+    def init_params(self, cfg: Config, sets: tuple[str, ...]) -> dict:
+        """Fresh parameters of every set ({set: adapter, B = 0}, or {set: the base's weights}), placed on
+        the mesh (`param_shardings`)."""
+        key = jax.random.key(cfg.seed)
+        if self.lora_cfg is not None:
+            params = {s: init_lora(self.model.config, self.lora_cfg, jax.random.fold_in(key, i))
+                      for i, s in enumerate(sets)}
+        else:
+            state = nnx.state(self.model, nnx.Param)
+            params = {s: jax.tree.map(jnp.array, state) for s in sets}
+        return jax.device_put(params, self.param_shardings(cfg, params))
+
+    def param_shardings(self, cfg: Config, params: dict) -> dict:
+        return {s: sharding.trainable_shardings(p, self.model, self.mesh, self.rules,
+                                                replicate_lora=cfg.mesh.lora == "replicated")
+                for s, p in params.items()}
+
+    def sampler(self, cfg: Config, params: dict) -> PolicySampler:
+        """A sampler over `params` ({set: parameters}) with the run's sampling settings."""
+        sp = cfg.sampling
+        settings = SamplerSettings(max_new_tokens=sp.max_new_tokens, top_p=sp.top_p, top_k=sp.top_k,
+                                   stop_token_ids=tuple(self.codec.stop_token_ids),
+                                   max_cache_tokens=sp.max_cache_tokens)
+        return PolicySampler(self.model, params, self.lora_cfg.scale if self.lora_cfg else None, self.mesh,
+                             self.rules, settings)
+
+    def sample_fn(self, cfg: Config, params: dict, temperature: float) -> SampleFn:
+        """The workflows' sampling function over `params` at `temperature`: (set, prompts, seed) → completions."""
+        sampler = self.sampler(cfg, params)
+
+        def fn(set_name: str, prompts: list[list[int]], seed: int) -> list[Completion]:
+            out = sampler.sample(set_name, prompts, seed, temperature)
+            return [Completion(t, lp, not fin) for t, lp, fin in zip(out.tokens, out.logprobs, out.finished)]
+        return fn
+
+
+def build_policy(cfg: Config) -> Policy:
+    """Mesh, rules, the base model loaded onto them, the codec and the LoRA format of a resolved config."""
+    mesh = sharding.make_mesh(cfg.mesh)
+    rules = sharding.get_rules(cfg.mesh, mesh)
+    model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed,
+                       shardings=sharding.variable_sharding(mesh, rules))
+    codec = ChatCodec(load_tokenizer(cfg.model))
+    return Policy(mesh, rules, model, codec, cfg.lora.build())
+
+
+@dataclasses.dataclass
+class Problems:
+    """The training and held-out problems, and the step-0 record of how code is graded (empty without code)."""
+
+    train: list
+    eval: list
+    run_info: dict
+
+
+def build_problems(cfg: Config) -> Problems:
+    opts = dict(cfg.task.options)
+    train_problems = load_task(cfg.task.name, path=cfg.task.path, split="train", seed=cfg.task.split_seed,
+                               limit=cfg.task.train_size, sandbox=cfg.task.sandbox, **opts)
+    eval_problems = load_task(cfg.task.name, path=cfg.task.path, split="test", seed=cfg.task.split_seed,
+                              limit=cfg.task.eval_n, sandbox=cfg.task.sandbox, **opts)
+    # Code grading fails closed here, before any rollout: bwrap must work unless rlimits is asked for.
+    code = any(p.kind == "code" for p in train_problems + eval_problems)
+    run_info = {"sandbox/mode": require_sandbox(cfg.task.sandbox)} if code else {}  # step-0 record
+    if not train_problems:
+        raise ConfigError(f"task {cfg.task.name!r} gave no training problems.")
+    return Problems(train_problems, eval_problems, run_info)
+
+
+def build_workflow(cfg: Config):
+    """(the workflow, its policy map: which parameter set each role trains)."""
+    workflow = cfg.workflow.build()
+    return workflow, pm.from_config(cfg.policy, workflow.roles)
+
+
 class Run:
-    """Everything a training run holds; built from a Config (resolved: `None`s take the paper's values)."""
+    """A training run built from a Config (resolved: `None`s take the paper's values): the shared parts,
+    the trainer, its `TrainState` and the trackers the loop feeds."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg = resolve(cfg)
         self.run_dir = pathlib.Path(cfg.run_dir)
-        self.mesh = sharding.make_mesh(cfg.mesh)
-        self.rules = sharding.get_rules(cfg.mesh, self.mesh)
-        self.model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed,
-                                shardings=sharding.variable_sharding(self.mesh, self.rules))
-        self.codec = ChatCodec(load_tokenizer(cfg.model))
-        opts = dict(cfg.task.options)
-        self.train_problems = load_task(cfg.task.name, path=cfg.task.path, split="train", seed=cfg.task.split_seed,
-                                        limit=cfg.task.train_size, sandbox=cfg.task.sandbox, **opts)
-        self.eval_problems = load_task(cfg.task.name, path=cfg.task.path, split="test", seed=cfg.task.split_seed,
-                                       limit=cfg.task.eval_n, sandbox=cfg.task.sandbox, **opts)
-        # Code grading fails closed here, before any rollout: bwrap must work unless rlimits is asked for.
-        code = any(p.kind == "code" for p in self.train_problems + self.eval_problems)
-        self.run_info = {"sandbox/mode": require_sandbox(cfg.task.sandbox)} if code else {}  # step-0 record
-        if not self.train_problems:
-            raise ConfigError(f"task {cfg.task.name!r} gave no training problems.")
-        self.workflow = cfg.workflow.build()
-        self.policy = pm.from_config(cfg.policy, self.workflow.roles)
-        self.route = dict(self.policy.route)
-        rl = cfg.rl
-        self.lora_cfg = cfg.lora.build()
-        self.step_cfg = rl.step(self.route, self.workflow.same_role_counts(), cfg.sampling.temperature,
-                                self.lora_cfg.scale if self.lora_cfg else None)
-        self.adv_cfg = rl.advantages()
+        self.problems = build_problems(cfg)  # before the model: a sandbox that cannot grade fails fast
+        self.policy = build_policy(cfg)
+        self.workflow, self.policy_map = build_workflow(cfg)
+        self.route = dict(self.policy_map.route)
+        lora = self.policy.lora_cfg
+        self.step_cfg = cfg.rl.step(self.route, self.workflow.same_role_counts(), cfg.sampling.temperature,
+                                    lora.scale if lora else None)
+        self.adv_cfg = cfg.rl.advantages()
         self.optimizer = cfg.optim.build()
-        params = self.init_params()
-        p_sh = {s: sharding.trainable_shardings(p, self.model, self.mesh, self.rules,
-                                                replicate_lora=cfg.mesh.lora == "replicated")
-                for s, p in params.items()}
-        o_sh = {s: sharding.optimizer_shardings(self.optimizer, p, p_sh[s], self.mesh)
-                for s, p in params.items()}
-        e_sh = {r: p_sh[s] for r, s in self.route.items()} if rl.damping_lambda > 0 else {}
-        self.params = jax.device_put(params, p_sh)
-        self.opt_states = jax.device_put({s: self.optimizer.init(p) for s, p in self.params.items()}, o_sh)
-        self.ema = jax.device_put({r: jax.tree.map(jnp.zeros_like, self.params[self.route[r]])
-                                   for r in e_sh}, e_sh)
-        self.trainer = Trainer(self.model, self.step_cfg, self.optimizer,
-                               out_shardings=(p_sh, o_sh, e_sh, sharding.replicated(self.mesh)))
+        self.trainer, self.state = self.init_trainer()
         d = cfg.diagnostics
         self.accuracy = AccuracyTracker(total_steps=cfg.steps, cliff=d.cliff())
         self.dominance = DominanceTracker(window=d.dominant_window)
@@ -111,76 +177,47 @@ class Run:
         self.lr_scale = 1.0  # product of the `rollback_lr_scale`s of the rollbacks so far
         self.stopped: str | None = None  # why a rollback ended the run (a re-run then trains no further)
 
-    def init_params(self) -> dict:
-        key = jax.random.key(self.cfg.seed)
-        if self.lora_cfg is not None:
-            return {s: init_lora(self.model.config, self.lora_cfg, jax.random.fold_in(key, i))
-                    for i, s in enumerate(self.policy.sets)}
-        state = nnx.state(self.model, nnx.Param)
-        return {s: jax.tree.map(jnp.array, state) for s in self.policy.sets}
+    def init_trainer(self) -> tuple[Trainer, TrainState]:
+        """The jitted trainer and the step-0 state, both placed on the mesh."""
+        p, mesh = self.policy, self.policy.mesh
+        params = p.init_params(self.cfg, self.policy_map.sets)
+        p_sh = p.param_shardings(self.cfg, params)
+        o_sh = {s: sharding.optimizer_shardings(self.optimizer, x, p_sh[s], mesh) for s, x in params.items()}
+        e_sh = {r: p_sh[s] for r, s in self.route.items()} if self.step_cfg.damping_lambda > 0 else {}
+        state_sh = TrainState(p_sh, o_sh, e_sh, sharding.replicated(mesh))
+        trainer = Trainer(p.model, self.step_cfg, self.optimizer,
+                          out_shardings=(state_sh, sharding.replicated(mesh)))
+        return trainer, jax.device_put(trainer.init_state(params), state_sh)
 
-    # ---- sampling ------------------------------------------------------------------------------
     def sample_fn(self, temperature: float):
-        cfg = self.cfg
-
-        def fn(set_name: str, prompts: list[list[int]], seed: int) -> list[Completion]:
-            samples = []
-            # One per-layer copy of the weights per call, LoRA folded in, serves every chunk: decoding
-            # then costs the base's matmuls only, and the sampler's jit does not recompile per set.
-            with sharding.use_mesh(self.mesh, self.rules):
-                if self.lora_cfg is not None:
-                    model = self.model
-                    layers = layer_weights(model, self.params[set_name], self.lora_cfg.scale)
-                else:
-                    model = nnx.merge(self.trainer.graphdef, self.params[set_name])
-                    layers = layer_weights(model)
-            for k, chunk in enumerate(self.chunks(prompts)):
-                chunk_seed = seed if k == 0 else int(np.random.SeedSequence([seed, k]).generate_state(1)[0])
-                sp = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, temperature=temperature,
-                                    top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
-                                    stop_token_ids=tuple(self.codec.stop_token_ids), seed=chunk_seed)
-                with sharding.use_mesh(self.mesh, self.rules):
-                    out = generate(model, chunk, sp, layers=layers)
-                samples += [Completion(t, lp, not fin)
-                            for t, lp, fin in zip(out.tokens, out.logprobs, out.finished)]
-            return samples
-        return fn
-
-    def chunks(self, prompts: list[list[int]]) -> list[list[list[int]]]:
-        """Prompts cut into sampler calls of at most `sampling.max_cache_tokens` batch × KV length
-        (a power-of-two number of rows, a fixed point of the sampler's `bucket_rows`); one call when it is 0."""
-        cap = self.cfg.sampling.max_cache_tokens
-        if cap <= 0 or not prompts:
-            return [prompts]
-        length = bucket(max(len(p) for p in prompts), 16) + self.cfg.sampling.max_new_tokens
-        rows = max(1, cap // length)
-        rows = 1 << (rows.bit_length() - 1)
-        return [prompts[i: i + rows] for i in range(0, len(prompts), rows)]
+        """The workflows' sampling function over the current parameters."""
+        return self.policy.sample_fn(self.cfg, self.state.params, temperature)
 
     def evaluate(self, seed: int) -> dict:
-        ev = evaluate_workflow(self.workflow, self.eval_problems, self.sample_fn(self.cfg.eval.temperature),
-                               self.codec, self.route, seed=seed, k=self.cfg.eval.k, progress=False,
+        ev = evaluate_workflow(self.workflow, self.problems.eval, self.sample_fn(self.cfg.eval.temperature),
+                               self.policy.codec, self.route, seed=seed, k=self.cfg.eval.k, progress=False,
                                max_prompt_tokens=self.cfg.sampling.max_prompt_tokens)
         return ev
 
     # ---- data ----------------------------------------------------------------------------------
     def batch_problems(self, step: int):
         """Problems of training step `step` (1-based): a seeded permutation per epoch, deterministic."""
-        n, per = len(self.train_problems), self.cfg.rl.problems_per_step
+        n, per = len(self.problems.train), self.cfg.rl.problems_per_step
         start = (step - 1) * per
         out = []
         for i in range(start, start + per):
             epoch, pos = divmod(i, n)
             perm = np.random.default_rng([self.cfg.seed, epoch]).permutation(n)
-            out.append(self.train_problems[perm[pos]])
+            out.append(self.problems.train[perm[pos]])
         return out
 
     # ---- one step ------------------------------------------------------------------------------
-    def train_step(self, step: int) -> dict:
+    def train_step(self, step: int) -> tuple[dict, BatchMetrics]:
+        """Rollout, advantages and the update of training step `step`: its record and the update's metrics."""
         cfg = self.cfg
         t0 = time.perf_counter()
         problems = self.batch_problems(step)
-        ro = rollout(self.workflow, problems, self.sample_fn(cfg.sampling.temperature), self.codec,
+        ro = rollout(self.workflow, problems, self.sample_fn(cfg.sampling.temperature), self.policy.codec,
                      self.route, n_rollouts=cfg.rl.rollouts, seed=int(np.random.SeedSequence(
                          [cfg.seed, step]).generate_state(1)[0]),
                      max_prompt_tokens=cfg.sampling.max_prompt_tokens)
@@ -197,25 +234,23 @@ class Run:
                    for i in range(len(c.role)) if len(c.response_ids[i])]
         t1 = time.perf_counter()
         lr = cfg.optim.lr_at(step, cfg.steps) * self.lr_scale
-        with sharding.use_mesh(self.mesh, self.rules):
-            self.params, self.opt_states, self.ema, m = train_batch(
-                self.trainer, self.params, self.opt_states, self.ema, samples, lr,
-                seed=minibatch_seed(cfg.seed, step))
+        with sharding.use_mesh(self.policy.mesh, self.policy.rules):
+            self.state, m = train_batch(self.trainer, self.state, samples, lr, seed=minibatch_seed(cfg.seed, step),
+                                        ranks=sharding.batch_ranks(self.policy.mesh, self.policy.rules))
         t_update = time.perf_counter() - t1
-        record = {"step": step, "lr": lr, **rollout_metrics(ro), **adv.metrics(), **m}
+        record = {"step": step, "lr": lr, **rollout_metrics(ro), **adv.metrics(), **m.record()}
         for role in self.workflow.roles:
             record[f"role/{role}/n_samples"] = int(np.sum(c.role == role))
-        set_losses = [m[f"set/{s}/loss"] for s in self.policy.sets if f"set/{s}/loss" in m]
-        record["loss"] = float(np.mean(set_losses)) if set_losses else float("nan")
-        record["grad_norm"] = float(np.sqrt(sum(m.get(f"set/{s}/grad_norm", 0.0) ** 2
-                                                for s in self.policy.sets)))
+        record["loss"] = mean_set_loss(m, self.policy_map.sets)
+        record["grad_norm"] = float(np.sqrt(sum((m.sets[s].grad_norm if s in m.sets else 0.0) ** 2
+                                                for s in self.policy_map.sets)))
         n_tokens = sum(len(s.response) for s in samples)
         record.update({"time/rollout_s": t_rollout, "time/update_s": t_update,
                        "time/step_s": time.perf_counter() - t0, "throughput/response_tok_s":
                        n_tokens / max(time.perf_counter() - t0, 1e-9)})
-        shared_roles = [r for r in self.workflow.roles if len(self.policy.roles_of(self.route[r])) > 1]
+        shared_roles = [r for r in self.workflow.roles if len(self.policy_map.roles_of(self.route[r])) > 1]
         if shared_roles:  # dominance is defined among roles that share a set
-            self.dominance.update({r: m.get(f"role/{r}/grad_share", 0.0) for r in shared_roles})
+            self.dominance.update({r: m.roles[r].grad_share if r in m.roles else 0.0 for r in shared_roles})
         dom_role, dom_share = self.dominance.index()
         record["diag/dominant_share"] = dom_share
         if dom_role is not None:
@@ -223,23 +258,17 @@ class Run:
         drift = self.lengths.update(step, {r: record[f"role/{r}/length_mean"] for r in self.workflow.roles
                                            if f"role/{r}/length_mean" in record})
         record.update({f"role/{r}/length_drift": v for r, v in drift.items()})
-        return record
+        return record, m
 
-    # ---- checkpoint state ----------------------------------------------------------------------
-    def state(self):
-        return {"params": self.params, "opt": self.opt_states, "ema": self.ema}
-
+    # ---- checkpoint meta -----------------------------------------------------------------------
     def meta(self, step: int) -> dict:
         return {"step": step, "accuracy": self.accuracy.state_dict(),
                 "dominance": self.dominance.state_dict(), "lengths": self.lengths.state_dict(),
                 "nonfinite_streak": self.nonfinite_streak, "lr_scale": self.lr_scale, "stopped": self.stopped}
 
-    def load_state(self, state):
-        """Parameters, optimizer states and damping EMA from a restored `state()`."""
-        self.params, self.opt_states, self.ema = state["params"], state["opt"], state["ema"]
-
-    def load(self, state, meta):
-        self.load_state(state)
+    def load(self, state: TrainState, meta: dict) -> None:
+        """Resume: the restored state and the trackers and counters of `meta`."""
+        self.state = state
         self.accuracy = AccuracyTracker.from_state_dict(meta["accuracy"])
         self.dominance = DominanceTracker.from_state_dict(meta["dominance"])
         self.lengths = LengthDrift.from_state_dict(meta["lengths"])
@@ -247,12 +276,18 @@ class Run:
         self.lr_scale, self.stopped = meta.get("lr_scale", 1.0), meta.get("stopped")  # absent in older checkpoints
 
 
+def mean_set_loss(m: BatchMetrics, sets: tuple[str, ...]) -> float:
+    """The step's loss: the mean over the sets that trained of each set's loss (NaN when none did)."""
+    losses = [m.sets[s].loss for s in sets if s in m.sets]
+    return float(np.mean(losses)) if losses else float("nan")
+
+
 def track_eval(run: Run, ckpt: Checkpointer, step: int, metrics: dict) -> bool:
     """Feed one eval to the accuracy tracker and save the state as the peak when it sets a new best.
     Returns True when the cliff detector fires."""
     fired = run.accuracy.update(step, metrics["pass@1"])
     if run.accuracy.best_step == step:
-        ckpt.save_peak(step, run.state(), run.meta(step))
+        ckpt.save_peak(step, run.state, run.meta(step))
     return fired
 
 
@@ -264,8 +299,7 @@ def rollback(run: Run, ckpt: Checkpointer, step: int, record: dict) -> None:
     accuracy tracker keeps peak and history but clears the drop, so a new drop fires again. Training data
     keep following the step counter: the steps between the peak and the cliff are not replayed.
     """
-    peak_step, state, _ = ckpt.restore(run.state(), step=run.accuracy.best_step, which="peak")
-    run.load_state(state)
+    peak_step, run.state, _ = ckpt.restore(run.state, step=run.accuracy.best_step, which="peak")
     run.accuracy.rolled_back()
     scale = run.cfg.diagnostics.rollback_lr_scale
     if scale is None:
@@ -324,7 +358,9 @@ def write_eval_transcripts(run_dir: pathlib.Path, step: int, ev) -> None:
     (run_dir / f"eval_step{step}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in ev.transcripts))
 
 
-def train(cfg: Config) -> pathlib.Path:
+def open_run(cfg: Config) -> tuple[Run, Checkpointer, MetricsLogger | _SilentLogger]:
+    """Build the run, record its config in run_dir and open its checkpoints and metrics log (an attempt
+    that left no checkpoint is cleared first)."""
     if cfg.task.sandbox == "rlimits":
         print("task.sandbox=rlimits: model-written code runs with rlimits and a process group only, NO "
               "filesystem or network isolation", file=sys.stderr)
@@ -339,50 +375,73 @@ def train(cfg: Config) -> pathlib.Path:
     if primary and ckpt.latest_step() is None and (removed := clear_earlier_attempt(run_dir)):
         print(f"{run_dir} has no checkpoint: starting afresh, removed what an earlier attempt left "
               f"({', '.join(removed)})", file=sys.stderr)
-    log = MetricsLogger(run_dir) if primary else _SilentLogger()
+    return run, ckpt, MetricsLogger(run_dir) if primary else _SilentLogger()
+
+
+def resume(run: Run, ckpt: Checkpointer, log) -> int:
+    """The step to continue after: the newest checkpoint's (state and trackers restored, later records
+    dropped), or 0 after logging the step-0 record (the eval before training, when asked for)."""
+    cfg = run.cfg
     ckpt.discard_peaks_after(ckpt.latest_step())
-    start = 0
     if ckpt.latest_step() is not None:
-        start, state, meta = ckpt.restore(run.state())
+        start, state, meta = ckpt.restore(run.state)
         run.load(state, meta)
         log.truncate_after(start)
-        print(f"resumed {run_dir} from step {start}", file=sys.stderr)
-    elif cfg.eval.at_start:
+        print(f"resumed {run.run_dir} from step {start}", file=sys.stderr)
+        return start
+    if cfg.eval.at_start:
         ev = run.evaluate(seed=cfg.seed)
         track_eval(run, ckpt, 0, ev.metrics)
-        log.log({"step": 0, **run.run_info, **{f"eval/{k}": v for k, v in ev.metrics.items()}})
-        if primary:
-            write_eval_transcripts(run_dir, 0, ev)
-    elif run.run_info:
-        log.log({"step": 0, **run.run_info})
+        log.log({"step": 0, **run.problems.run_info, **{f"eval/{k}": v for k, v in ev.metrics.items()}})
+        if sharding.is_primary():
+            write_eval_transcripts(run.run_dir, 0, ev)
+    elif run.problems.run_info:
+        log.log({"step": 0, **run.problems.run_info})
+    return 0
+
+
+def count_nonfinite(run: Run, step: int, m: BatchMetrics) -> None:
+    """Track the streak of steps whose update was skipped for a non-finite loss or gradient."""
+    sets = run.policy_map.sets
+    nonfinite = not math.isfinite(mean_set_loss(m, sets)) or any(m.sets[s].nonfinite for s in sets if s in m.sets)
+    run.nonfinite_streak = run.nonfinite_streak + 1 if nonfinite else 0
+    if nonfinite:
+        print(f"step {step}: non-finite loss/gradient; update skipped "
+              f"({run.nonfinite_streak} in a row)", file=sys.stderr)
+
+
+def eval_step(run: Run, ckpt: Checkpointer, step: int, record: dict) -> None:
+    """The held-out eval of `step` into `record`; a new best is saved as the peak, a cliff may roll back."""
+    ev = run.evaluate(seed=run.cfg.seed + step)
+    if sharding.is_primary():
+        write_eval_transcripts(run.run_dir, step, ev)
+    record.update({f"eval/{k}": v for k, v in ev.metrics.items()})
+    if track_eval(run, ckpt, step, ev.metrics):
+        record["diag/cliff"] = 1
+        if run.cfg.diagnostics.rollback_on_cliff:
+            rollback(run, ckpt, step, record)
+
+
+def train(cfg: Config) -> pathlib.Path:
+    """Build, resume, then per step: rollout and update, eval on its cadence, log, checkpoint."""
+    run, ckpt, log = open_run(cfg)
+    start = resume(run, ckpt, log)
     if run.stopped:
-        print(f"{run_dir}: {run.stopped}; nothing left to train", file=sys.stderr)
+        print(f"{run.run_dir}: {run.stopped}; nothing left to train", file=sys.stderr)
     last = start if run.stopped else cfg.steps
     bar = tqdm(range(start + 1, last + 1), initial=start, total=cfg.steps, desc="train", unit="step",
-               disable=not primary)
+               disable=not sharding.is_primary())
     for step in bar:
-        record = run.train_step(step)
-        nonfinite = not math.isfinite(record["loss"]) or any(
-            record.get(f"set/{s}/nonfinite", 0) for s in run.policy.sets)
-        run.nonfinite_streak = run.nonfinite_streak + 1 if nonfinite else 0
-        if nonfinite:
-            print(f"step {step}: non-finite loss/gradient; update skipped "
-                  f"({run.nonfinite_streak} in a row)", file=sys.stderr)
+        record, m = run.train_step(step)
+        count_nonfinite(run, step, m)
         if cfg.eval.every > 0 and (step % cfg.eval.every == 0 or step == cfg.steps):
-            ev = run.evaluate(seed=cfg.seed + step)
-            if primary:
-                write_eval_transcripts(run_dir, step, ev)
-            record.update({f"eval/{k}": v for k, v in ev.metrics.items()})
-            if track_eval(run, ckpt, step, ev.metrics):
-                record["diag/cliff"] = 1
-                if cfg.diagnostics.rollback_on_cliff:
-                    rollback(run, ckpt, step, record)
+            eval_step(run, ckpt, step, record)
         record.update({f"diag/{k}": v for k, v in run.accuracy.summary().items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
         log.log(record)
         bar.set_postfix({"reward": f"{record['reward/mean']:.3f}", "loss": f"{record['loss']:.3f}",
                          **({"pass@1": f"{record['eval/pass@1']:.3f}"} if "eval/pass@1" in record else {})})
-        ckpt.save(step, run.state(), run.meta(step), force=step == cfg.steps or run.stopped is not None)
+        ckpt.save(step, run.state, run.meta(step), force=step == cfg.steps or run.stopped is not None)
         if run.stopped:
             break
         if run.nonfinite_streak >= cfg.diagnostics.max_nonfinite:
@@ -393,10 +452,10 @@ def train(cfg: Config) -> pathlib.Path:
                 f"good state is the newest checkpoint in {ckpt.dir}. Lower optim.lr or check the data.")
     ckpt.close()
     log.close()
-    if not primary:
-        return run_dir
+    if not sharding.is_primary():
+        return run.run_dir
     from marljax.report import write_report
-    return write_report([run_dir])
+    return write_report([run.run_dir])
 
 
 class _SilentLogger:

@@ -23,6 +23,7 @@ from marljax import sharding
 from marljax.checkpoint import Checkpointer
 from marljax.models.decoder import Decoder, ModelConfig
 from marljax.models.lora import LoRAConfig, init_lora
+from marljax.rl.state import TrainState
 from marljax.rl.step import Sample, StepConfig, Trainer, train_batch
 from marljax.sampling import SamplingParams, generate
 from marljax.sharding import MeshConfig
@@ -91,18 +92,20 @@ def run(mesh_cfg: MeshConfig | None) -> dict:
         o_sh = {s: sharding.optimizer_shardings(opt, params[s], p_sh[s], mesh) for s in params}
         params = jax.device_put(params, p_sh)
         opt_states = jax.jit(lambda p: {s: opt.init(x) for s, x in p.items()}, out_shardings=o_sh)(params)
-        trainer = Trainer(model, STEP, opt, out_shardings=(p_sh, o_sh, {}, sharding.replicated(mesh)))
+        rep = sharding.replicated(mesh)
+        trainer = Trainer(model, STEP, opt, out_shardings=(TrainState(p_sh, o_sh, {}, rep), rep))
         ctx = sharding.use_mesh(mesh, rules)
         wq = model.layers["wq"].get_value()
         facts = {"wq_spec": str(wq.sharding.spec), "wq_shard_shape": list(wq.addressable_shards[0].data.shape),
                  "embed_spec": str(model.embed.get_value().sharding.spec),
                  "lora_wq_b_spec": str(params["a"]["wq"]["b"].sharding.spec),
-                 "mu_wq_a_spec": str(opt_states["a"][1].inner_state[0].mu["wq"]["a"].sharding.spec)}
+                 "mu_wq_a_spec": str(optax.tree_utils.tree_get(opt_states["a"], "mu")["wq"]["a"].sharding.spec)}
     forward = jax.jit(lambda state, t: nnx.merge(GRAPHDEF, state)(t))
     with ctx:
         logits = forward(nnx.state(model), jnp.asarray(TOKENS))
         greedy = generate(model, PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.0))
-        new, new_opt, new_ema, m = train_batch(trainer, params, opt_states, ema, samples(), LR)
+        state, m = train_batch(trainer, TrainState(params, opt_states, ema, jnp.zeros((), jnp.int32)), samples(), LR)
+    new, m = state.params, m.record()
     if mesh_cfg is not None:
         facts["params_keep_sharding"] = all(
             x.sharding == sh for x, sh in zip(jax.tree.leaves(new), jax.tree.leaves(p_sh)))
@@ -110,7 +113,7 @@ def run(mesh_cfg: MeshConfig | None) -> dict:
         facts["logits_devices"] = len(logits.sharding.device_set)
     return {"logits": np.asarray(logits), "greedy": greedy.tokens, "metrics": m,
             "params": jax.tree.map(np.asarray, new), "facts": facts,
-            "state": {"params": new, "opt": new_opt, "ema": new_ema}}
+            "state": state}
 
 
 def rel(a, b) -> float:
@@ -150,8 +153,8 @@ def main(ckpt_dir: str) -> None:
     same_sharding = all(x.sharding == y.sharding for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(b)))
     out["checkpoint"] = {"step": step, "meta": meta, "values_rel": tree_rel(restored, a),
                          "restored_on_target_sharding": same_sharding,
-                         "written_wq_b_spec": str(a["params"]["a"]["wq"]["b"].sharding.spec),
-                         "restored_wq_b_spec": str(restored["params"]["a"]["wq"]["b"].sharding.spec)}
+                         "written_wq_b_spec": str(a.params["a"]["wq"]["b"].sharding.spec),
+                         "restored_wq_b_spec": str(restored.params["a"]["wq"]["b"].sharding.spec)}
     print("RESULT " + json.dumps(out))
 
 

@@ -119,13 +119,13 @@ def test_the_run_resolves_its_config_and_caps_prompts(tmp_path):
             "task.eval_n=2", "task.train_size=4", "lora.rank=2", "lora.layers=null", f"run_dir={tmp_path}"]
     run = train.Run(load_config(str(DEMO_CONFIG), args))
     assert (run.cfg.sampling.max_prompt_tokens, run.cfg.workflow.max_iterations) == (20480, 3)
-    voter = max(len(run.codec.render([dict(m) for m in call.messages]))
-                for p in run.train_problems + run.eval_problems for call in next(run.workflow.episode(p))
+    voter = max(len(run.policy.codec.render([dict(m) for m in call.messages]))
+                for p in run.problems.train + run.problems.eval for call in next(run.workflow.episode(p))
                 if isinstance(call, RoleCall))
     run.cfg.sampling.max_prompt_tokens = voter
     ev = run.evaluate(seed=0)
     assert ev.metrics["workflow/prompt_overflow"] == 1.0 and ev.metrics["pass@1"] == 0.0
     assert ev.metrics["role/generator/calls_per_episode"] == 3 and "role/aggregator/length_mean" not in ev.metrics
-    record = run.train_step(1)
+    record, _ = run.train_step(1)
     assert record["workflow/prompt_overflow"] == 1.0 and record["reward/mean"] == 0.0
     assert (record["role/generator/n_samples"], record["role/aggregator/n_samples"]) == (6, 0)

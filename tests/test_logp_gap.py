@@ -11,6 +11,7 @@ from marljax.models.loading import load_model
 from marljax.models.lora import LoRAConfig, init_lora
 from marljax.models.presets import get_preset
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack, train_batch
+from marljax.rl.step_metrics import average
 from marljax.sampling import SamplingParams, generate, layer_weights
 
 LORA = LoRAConfig(rank=4, alpha=8, layers=1)
@@ -43,9 +44,8 @@ def _cfg(lora_scale, **kw):
 
 
 def _step(trainer, params, samples, lr=1e-2):
-    opt = trainer.optimizer
     params = jax.tree.map(jnp.array, params)  # train_batch donates its inputs
-    return train_batch(trainer, {"s": params}, {"s": opt.init(params)}, {}, samples, lr)[3]
+    return train_batch(trainer, trainer.init_state({"s": params}), samples, lr)[1].record()
 
 
 @pytest.mark.parametrize("minibatch", ["balanced", "paper"])
@@ -92,13 +92,12 @@ def test_gap_reads_back_a_known_perturbation_on_response_tokens_only(model):
     expected_mean = sum(np.abs(o).sum() for o in offsets) / n_tokens
 
     batch = pack(perturbed + [Sample("generator", [1, 2], [3, 4, 5], 1.0)])  # last row: no sampler logprobs
-    outside = 1.0 - batch.resp_mask_nr  # prompt/padding columns, and all of the padding rows
-    garbage = batch._replace(sampler_logp_nr=batch.sampler_logp_nr + 1e3 * outside)
-    params = {"s": jax.tree.map(jnp.array, ad)}
-    opt_states = {"s": trainer.optimizer.init(params["s"])}
-    m = jax.device_get(trainer.update(params, opt_states, {}, {"generator": garbage}, jnp.float32(0.0),
-                                      recompute_old=False)[3])
-    assert float(garbage.has_sampler_n[len(samples)]) == 0.0 and garbage.resp_mask_nr.shape[0] > len(samples) + 1
+    outside = 1.0 - batch.resp_mask_br  # prompt/padding columns, and all of the padding rows
+    garbage = batch._replace(sampler_logp_br=batch.sampler_logp_br + 1e3 * outside)
+    state = trainer.init_state({"s": jax.tree.map(jnp.array, ad)})
+    m = average([jax.device_get(trainer.update(state, {"generator": garbage}, jnp.float32(0.0),
+                                               recompute_old=False)[1])], cfg.sets).record()
+    assert float(garbage.has_sampler_b[len(samples)]) == 0.0 and garbage.resp_mask_br.shape[0] > len(samples) + 1
     assert m["role/generator/logp_gap"] == pytest.approx(expected_mean, abs=1e-5)
     assert m["role/generator/logp_gap_max"] == pytest.approx(0.5, abs=1e-5)
 

@@ -57,7 +57,8 @@ def _voting_update(n_voters, same_role_scale, episodes=4):
     tr = Trainer(model, cfg, opt)
     params = {"gen": _adapter(1), "agg": _adapter(2)}
     before = jax.tree.map(jnp.array, params)
-    new, _, _, m = train_batch(tr, params, {k: opt.init(v) for k, v in params.items()}, {}, voters + agg, LR)
+    state, m = train_batch(tr, tr.init_state(params), voters + agg, LR)
+    new, m = state.params, m.record()
     return _delta(new["gen"], before["gen"]), m["set/gen/opt_steps"], m["set/agg/opt_steps"]
 
 
@@ -81,17 +82,17 @@ def test_inverse_norm_gives_equal_mass_and_damping_reduces_coherent_role():
     tr = Trainer(model, StepConfig(route=route, lora_scale=LORA.scale, minibatch="balanced",
                                    role_weighting="inverse_norm"), opt)
     ad = _adapter(3)
-    _, _, _, m = train_batch(tr, {"s": ad}, {"s": opt.init(ad)}, {}, samples, LR)
+    m = train_batch(tr, tr.init_state({"s": ad}), samples, LR)[1].record()
     assert m["role/generator/grad_mass"] == pytest.approx(m["role/aggregator/grad_mass"], rel=1e-5)
 
     tr = Trainer(model, StepConfig(route=route, lora_scale=LORA.scale, minibatch="balanced", damping_lambda=0.3),
                  opt)
     ad = _adapter(3)
-    ema = {r: jax.tree.map(jnp.zeros_like, ad) for r in ("generator", "aggregator")}
-    params, states = {"s": ad}, {"s": opt.init(ad)}
-    params, states, ema, m1 = train_batch(tr, params, states, ema, samples, LR)
+    state = tr.init_state({"s": ad})  # the EMA of both roles starts at 0
+    state, m1 = train_batch(tr, state, samples, LR)
+    m1 = m1.record()
     assert m1["role/generator/damping"] == pytest.approx(1.0)  # EMA starts at 0: no coherence yet
-    _, _, _, m2 = train_batch(tr, params, states, ema, samples, LR)  # same batch again: cos(g, EMA) ≈ 1
+    m2 = train_batch(tr, state, samples, LR)[1].record()  # same batch again: cos(g, EMA) ≈ 1
     assert 0.7 <= m2["role/generator/damping"] < 0.75
 
 
@@ -102,9 +103,9 @@ def test_nonfinite_advantage_skips_the_update():
     tr = Trainer(model, StepConfig(route=(("generator", "g"),), lora_scale=LORA.scale, minibatch="balanced"), opt)
     ad = _adapter(4)
     before = jax.tree.map(jnp.array, ad)
-    new, _, _, m = train_batch(tr, {"g": ad}, {"g": opt.init(ad)}, {}, samples, LR)
-    assert m["set/g/nonfinite"] == 1.0
-    assert _delta(new["g"], before) == 0.0
+    state, m = train_batch(tr, tr.init_state({"g": ad}), samples, LR)
+    assert m.record()["set/g/nonfinite"] == 1.0
+    assert _delta(state.params["g"], before) == 0.0
 
 
 def test_minibatches_paper_vs_balanced():

@@ -24,7 +24,9 @@ from flax import nnx
 from marljax.models import load_model
 from marljax.models.lora import LoRAConfig, init_lora
 from marljax.rl.losses import sequence_losses
+from marljax.rl.state import with_learning_rate
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack
+from marljax.rl.step_metrics import average
 
 MODEL = load_model("tiny-qwen3")
 GRAPHDEF, BASE = nnx.split(MODEL)
@@ -103,11 +105,10 @@ def sgd_keeping_the_gradient():
 def run_step(tr: Trainer, lora: bool, samples=None):
     """One `Trainer.update` over `samples` (default SAMPLES), every set starting from `_params(lora)`."""
     samples = SAMPLES if samples is None else samples
-    params = {s: _params(lora) for s in tr.cfg.sets}
-    states = {s: tr.optimizer.init(p) for s, p in params.items()}
+    state = tr.init_state({s: _params(lora) for s in tr.cfg.sets})
     batches = {r: pack(samples[r]) for r in tr.cfg.roles}
-    new, new_states, _, m = tr.update(params, states, {}, batches, jnp.float32(0.1), recompute_old=False)
-    return new, new_states, jax.device_get(m)
+    new, m = tr.update(state, batches, jnp.float32(0.1), recompute_old=False)
+    return new.params, new.opt_state, average([jax.device_get(m)], tr.cfg.sets).record()
 
 
 def expected_metrics(cfg: StepConfig, lora: bool) -> tuple[dict, dict]:
@@ -188,8 +189,7 @@ def test_update_share_attributes_the_adamw_step():
     sizes = np.cumsum([x.size for x in leaves])[:-1]
     G = jax.tree.unflatten(treedef, [jnp.asarray(v.reshape(x.shape), jnp.float32)
                                      for v, x in zip(np.split(g_set["s"], sizes), leaves)])
-    state = opt.init(params)
-    state[1].hyperparams["learning_rate"] = jnp.float32(0.1)
+    state = with_learning_rate(opt.init(params), jnp.float32(0.1))
     U = _flat(opt.update(G, state, params)[0])
     c = {r: expected[f"role/{r}/weight"] for r in ROLES}
     dots = {r: c[r] * (reference_grad(True, (r,)) @ U) for r in ROLES}

@@ -149,6 +149,17 @@ def _masked_mean(x_bt, mask_bt):
     return jnp.sum(x_bt * mask_bt) / jnp.maximum(jnp.sum(mask_bt), 1.0)
 
 
+# `sequence_losses`' metrics that are normalised like the loss (by the aggregation's denominator); the
+# others are means over the response tokens.
+_LOSS_NORMALISED = frozenset({"pg_loss", "kl_loss"})
+
+
+def metric_weight(name: str, n_tokens, denom):
+    """What `sequence_losses`' metric `name` is an average over (`n_tokens` response tokens, or the
+    aggregation's `denom`), so that metrics of several micro-batches combine into the whole batch's."""
+    return denom if name in _LOSS_NORMALISED else n_tokens
+
+
 def sequence_losses(logp_bt: Array, old_logp_bt: Array, adv_b: Array, mask_bt: Array,
                     cfg: LossConfig = LossConfig(), ref_logp_bt: Array | None = None,
                     kl_beta_b: Array | None = None) -> tuple[Array, Array, dict[str, Array]]:

@@ -1,12 +1,16 @@
 """One jitted RL update over a batch partitioned by role, with per-role gradient diagnostics.
 
+`Trainer.update` takes a `TrainState` (marljax.rl.state) and returns the next one and a `StepMetrics`
+(marljax.rl.step_metrics); its two parts are a role's loss and gradient (`_role_grad`) and a set's
+combination of its roles' gradients and optimizer step (`_set_update`).
+
 For every role r the step computes its loss L_r and gradient g_r w.r.t. its own parameter set
 `params[route[r]]`, then for every set combines G = Σ_r c_r g_r with c_r = w_r · d_r:
   w_r  role weight: `count` (denominator share — Σ_r w_r L_r is then exactly the plain mixed-batch
        loss of the set), `equal` (1/R), or `inverse_norm` (∝ 1/‖g_r‖, equal mass per role);
        `same_role_scale` multiplies a role's count by 1/N for its N parallel same-role agents;
   d_r  coherence damping (the paper's I6): 1 − λ·clamp(cos(g_r, EMA(g_r)), 0, 1).
-Then clip + AdamW per set (optax). Diagnostics, per mini-batch:
+Then clip + AdamW per set (optax). Diagnostics, per mini-batch (fields of `RoleMetrics`, `SetMetrics`):
   `grad_norm`     ‖g_r‖, the role's own gradient (its loss alone, on its samples of the mini-batch);
   `grad_mass`     ‖c_r g_r‖, its weighted contribution to G;
   `grad_share`    mass_r / Σ_{r' on the set} mass_r': a share of weighted gradient *norms*, before
@@ -19,7 +23,7 @@ Then clip + AdamW per set (optax). Diagnostics, per mini-batch:
   `cos/<r1>/<r2>` cos(g_r1, g_r2) between roles on one set.
 `logp_gap` / `logp_gap_max`: mean / max |sampler logprob − trainer logprob| over a role's response
 tokens that carry the sampler's logprob, both at the rollout's parameters (the trainer's current ones
-with one mini-batch, its pre-update `old_logp_nr` with several) and the same tempered distribution: the
+with one mini-batch, its pre-update `old_logp_br` with several) and the same tempered distribution: the
 drift between how rollouts were sampled (LoRA folded into the weights) and how the trainer scores them.
 
 `train_batch` cuts each set's samples into mini-batches — `paper`: one optimizer step per M samples, so a
@@ -46,7 +50,9 @@ from flax import nnx
 from marljax.models.attention import check_attention
 from marljax.models.decoder import REMAT, Decoder
 from marljax.models.logprobs import target_logprobs
-from marljax.rl.losses import LossConfig, sequence_losses
+from marljax.rl.losses import LossConfig, metric_weight, sequence_losses
+from marljax.rl.state import TrainState, with_learning_rate
+from marljax.rl.step_metrics import BatchMetrics, RoleMetrics, SetMetrics, StepMetrics, average
 from marljax.shapes import bucket, bucket_rows, length_bucket
 
 ROLE_WEIGHTINGS = ("count", "equal", "inverse_norm")
@@ -56,13 +62,13 @@ MINIBATCH_MODES = ("paper", "balanced")
 class RoleBatch(NamedTuple):
     """One role's samples, right-padded: prompt + response tokens and the response window."""
 
-    tokens_nt: jax.Array  # int32 [n, T]
-    prompt_len_n: jax.Array  # int32 [n]
-    resp_mask_nr: jax.Array  # float32 [n, R]; 1 on response tokens (all 0 on padding rows)
-    adv_n: jax.Array  # float32 [n]
-    old_logp_nr: jax.Array  # float32 [n, R]; used when the old policy differs from the current
-    sampler_logp_nr: jax.Array  # float32 [n, R]; the sampler's logprobs of the response (0 where absent)
-    has_sampler_n: jax.Array  # float32 [n]; 1 on rows that carry the sampler's logprobs
+    tokens_bt: jax.Array  # int32 [B, T]
+    prompt_len_b: jax.Array  # int32 [B]
+    resp_mask_br: jax.Array  # float32 [B, R]; 1 on response tokens (all 0 on padding rows)
+    adv_b: jax.Array  # float32 [B]
+    old_logp_br: jax.Array  # float32 [B, R]; used when the old policy differs from the current
+    sampler_logp_br: jax.Array  # float32 [B, R]; the sampler's logprobs of the response (0 where absent)
+    has_sampler_b: jax.Array  # float32 [B]; 1 on rows that carry the sampler's logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +86,7 @@ class StepConfig:
     minibatch_size: int = 512
     remat: str = "full"  # decoder.REMAT: full | dots | none
     attention: str = "auto"  # models.attention.ATTENTIONS: auto | dense | blockwise | cudnn | splash
+    micro_batch_tokens: int = 0  # per data-parallel rank, rows × positions of one forward/backward; 0: off
 
     def __post_init__(self):
         if self.role_weighting not in ROLE_WEIGHTINGS:
@@ -91,6 +98,9 @@ class StepConfig:
         check_attention(self.attention)
         if not 0.0 <= self.damping_lambda <= 1.0:
             raise ValueError(f"rl.damping_lambda={self.damping_lambda} must be in [0, 1].")
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"rl.micro_batch_tokens={self.micro_batch_tokens} must be ≥ 0 (0: one forward/backward "
+                             "per role and mini-batch).")
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -130,26 +140,86 @@ def _update_shares(weighted_grads: dict, update) -> dict[str, jax.Array]:
     return {r: jnp.where(total != 0, d / safe, 0.0) for r, d in dots.items()}
 
 
+class RoleGrad(NamedTuple):
+    """One role's part of an update, before its set combines it: its loss, gradient and their metrics."""
+
+    grad: dict  # g_r, laid out like the role's parameter set
+    loss: jax.Array
+    norm: jax.Array  # ‖g_r‖
+    n_seq: jax.Array  # the loss's normaliser; 0 when the role has no samples in the mini-batch
+    terms: dict[str, jax.Array]  # `sequence_losses`' metrics
+    gap: dict[str, jax.Array]  # `logp_gap`
+
+
+class RolePart(NamedTuple):
+    """One role's sums over one micro-batch: `RoleGrad`'s quantities before normalisation, so that the
+    micro-batches of a mini-batch add up to the whole mini-batch's `RoleGrad` (`finish`)."""
+
+    grad: dict  # ∇ Σ_b seq_b
+    seq_sum: jax.Array  # Σ_b seq_b
+    n_seq: jax.Array  # the aggregation's normaliser over the micro-batch (it adds over rows)
+    n_tok: jax.Array  # response tokens
+    terms: dict[str, jax.Array]  # each `sequence_losses` metric × what it averages over (`metric_weight`)
+    gap_sum: jax.Array  # Σ |sampler − trainer| logprob over tokens carrying the sampler's
+    gap_tokens: jax.Array  # how many tokens that is
+    gap_max: jax.Array
+
+    def __add__(self, other: RolePart) -> RolePart:
+        added = jax.tree.map(jnp.add, self._replace(gap_max=0.0), other._replace(gap_max=0.0))
+        return added._replace(gap_max=jnp.maximum(self.gap_max, other.gap_max))
+
+    def finish(self) -> RoleGrad:
+        """The mini-batch's `RoleGrad`: gradient and loss over the total normaliser, metrics over theirs."""
+        norm = jnp.maximum(self.n_seq, 1.0)
+        grad = _scale(self.grad, 1.0 / norm)
+        terms = {k: v / jnp.maximum(metric_weight(k, self.n_tok, self.n_seq), 1.0) for k, v in self.terms.items()}
+        gap = {"logp_gap": self.gap_sum / jnp.maximum(self.gap_tokens, 1.0), "logp_gap_max": self.gap_max}
+        return RoleGrad(grad, self.seq_sum / norm, optax.tree.norm(grad), self.n_seq, terms, gap)
+
+
 class Trainer:
     """Holds the frozen base, the step config and the optimizer; `update` is the jitted step."""
 
     def __init__(self, model: Decoder, cfg: StepConfig, optimizer: optax.GradientTransformation, *,
                  out_shardings=None):
-        """`out_shardings`: shardings of `update`'s (params, opt_states, ema, metrics) on a device
-        mesh (see `marljax.sharding`), so the state stays where it was placed."""
+        """`out_shardings`: shardings of `update`'s (TrainState, StepMetrics) on a device mesh (see
+        `marljax.sharding`), so the state stays where it was placed."""
         self.graphdef, self.base_state = nnx.split(model)
         self.cfg = cfg
         self.optimizer = optimizer
         # The frozen base is a jit argument: a closed-over array would be inlined as a constant.
         extra = {} if out_shardings is None else {"out_shardings": out_shardings}
-        self._update_jit = jax.jit(self._update, static_argnames=("recompute_old",),
-                                   donate_argnums=(1, 2, 3), **extra)
+        self._update_jit = jax.jit(self._update, static_argnames=("recompute_old",), donate_argnums=(1,),
+                                   **extra)
+        self._apply_jit = jax.jit(self._apply, donate_argnums=(0,), **extra)
+        self._part_jit = jax.jit(self._role_part, static_argnames=("role", "recompute_old"))
+        self._add_jit = jax.jit(RolePart.__add__, donate_argnums=(0,))
         self._logprobs_jit = jax.jit(self._all_logprobs)
 
-    def update(self, params, opt_states, ema, batches: dict[str, RoleBatch], lr, *, recompute_old):
-        """The jitted step (donates params, opt_states and ema); see the module docstring."""
-        return self._update_jit(self.base_state, params, opt_states, ema, batches, lr,
-                                recompute_old=recompute_old)
+    def init_state(self, params: dict) -> TrainState:
+        """Step 0 for `params` ({set: trainable}): fresh optimizer states, a zero EMA per damped role."""
+        ema_roles = dict(self.cfg.route) if self.cfg.damping_lambda > 0 else {}
+        return TrainState.create(params, self.optimizer, ema_roles)
+
+    def update(self, state: TrainState, batches: dict[str, RoleBatch], lr, *, recompute_old
+               ) -> tuple[TrainState, StepMetrics]:
+        """The jitted step (donates `state`); see the module docstring."""
+        return self._update_jit(self.base_state, state, batches, lr, recompute_old=recompute_old)
+
+    def accumulated_update(self, state: TrainState, micro: dict[str, list[RoleBatch]], lr, *, recompute_old
+                           ) -> tuple[TrainState, StepMetrics]:
+        """The same step as `update` with each role's mini-batch given as micro-batches (`micro_batches`):
+        one jitted forward/backward per micro-batch adds into the role's sums, then one jitted call turns
+        them into the roles' gradients and takes the optimizer steps. Donates `state`."""
+        grads = {}
+        for role, batches in micro.items():
+            trainable = state.params[self.cfg.set_of(role)]
+            total = None
+            for batch in batches:
+                part = self._part_jit(self.base_state, trainable, batch, role=role, recompute_old=recompute_old)
+                total = part if total is None else self._add_jit(total, part)
+            grads[role] = total
+        return self._apply_jit(state, grads, lr)
 
     def logprobs(self, params, batches: dict[str, RoleBatch]):
         """Jitted response log-probs of every role under its set's current parameters."""
@@ -157,7 +227,7 @@ class Trainer:
 
     # ---- forward -----------------------------------------------------------------------------
     def response_logprobs(self, trainable, batch: RoleBatch, *, use_base: bool = False, base=None):
-        """log π(response token) [n, R] at the configured temperature; `use_base`: the frozen base
+        """log π(response token) [B, R] at the configured temperature; `use_base`: the frozen base
         (`base`: its state, default the one the trainer was built with)."""
         cfg = self.cfg
         base = self.base_state if base is None else base
@@ -167,112 +237,148 @@ class Trainer:
         else:
             model = nnx.merge(self.graphdef, base)
             lora = None if use_base else trainable
-        h_ntd, _ = model.hidden(batch.tokens_nt, lora=lora, lora_scale=cfg.lora_scale or 1.0,
+        h_bte, _ = model.hidden(batch.tokens_bt, lora=lora, lora_scale=cfg.lora_scale or 1.0,
                                 remat=cfg.remat, attention_impl=cfg.attention)
-        T, R = batch.tokens_nt.shape[1], batch.resp_mask_nr.shape[1]
-        idx_nr = jnp.minimum(batch.prompt_len_n[:, None] - 1 + jnp.arange(R), T - 2)
-        h_nrd = jnp.take_along_axis(h_ntd, idx_nr[:, :, None], axis=1)
-        target_nr = jnp.take_along_axis(batch.tokens_nt, idx_nr + 1, axis=1)
-        return target_logprobs(model.logits, h_nrd, target_nr, cfg.logprob_temperature)
+        T, R = batch.tokens_bt.shape[1], batch.resp_mask_br.shape[1]
+        idx_br = jnp.minimum(batch.prompt_len_b[:, None] - 1 + jnp.arange(R), T - 2)
+        h_bre = jnp.take_along_axis(h_bte, idx_br[:, :, None], axis=1)
+        target_br = jnp.take_along_axis(batch.tokens_bt, idx_br + 1, axis=1)
+        return target_logprobs(model.logits, h_bre, target_br, cfg.logprob_temperature)
 
     def _all_logprobs(self, base, params, batches: dict[str, RoleBatch]):
         return {r: self.response_logprobs(params[self.cfg.set_of(r)], b, base=base)
                 for r, b in batches.items()}
 
-    def role_loss(self, trainable, batch: RoleBatch, role: str, recompute_old: bool, base=None):
-        logp = self.response_logprobs(trainable, batch, base=base)
-        old = batch.old_logp_nr if recompute_old else jax.lax.stop_gradient(logp)
+    def _role_terms(self, trainable, batch: RoleBatch, role: str, recompute_old: bool, base):
+        """`sequence_losses` of the role's samples and the trainer-side log-probs they were scored with."""
+        logp_br = self.response_logprobs(trainable, batch, base=base)
+        old_br = batch.old_logp_br if recompute_old else jax.lax.stop_gradient(logp_br)
         beta = dict(self.cfg.kl_beta).get(role, 0.0)
-        ref = kl_b = None
+        ref_br = kl_b = None
         if beta > 0:
-            ref = self.response_logprobs(trainable, batch, use_base=True, base=base)
-            kl_b = jnp.full(batch.adv_n.shape, beta, jnp.float32)
-        seq_b, denom, metrics = sequence_losses(logp, old, batch.adv_n, batch.resp_mask_nr,
-                                                self.cfg.loss, ref, kl_b)
+            ref_br = self.response_logprobs(trainable, batch, use_base=True, base=base)
+            kl_b = jnp.full(batch.adv_b.shape, beta, jnp.float32)
+        seq_b, denom, terms = sequence_losses(logp_br, old_br, batch.adv_b, batch.resp_mask_br,
+                                              self.cfg.loss, ref_br, kl_b)
+        return seq_b, denom, terms, jax.lax.stop_gradient(old_br)
+
+    def role_loss(self, trainable, batch: RoleBatch, role: str, recompute_old: bool, base=None):
+        seq_b, denom, terms, old_br = self._role_terms(trainable, batch, role, recompute_old, base)
         loss = jnp.sum(seq_b) / jnp.maximum(denom, 1.0)
-        return loss, (denom, {**metrics, **logp_gap(jax.lax.stop_gradient(old), batch)})
+        return loss, (denom, terms, logp_gap(old_br, batch))
+
+    def _role_sum(self, trainable, batch: RoleBatch, role: str, recompute_old: bool, base):
+        """Σ_b seq_b of one micro-batch (differentiated) and its unnormalised metrics (`RolePart`)."""
+        seq_b, denom, terms, old_br = self._role_terms(trainable, batch, role, recompute_old, base)
+        n_tok = jnp.sum(batch.resp_mask_br)
+        gap_mask_br = batch.resp_mask_br * batch.has_sampler_b[:, None]
+        gap_br = jnp.abs(batch.sampler_logp_br - old_br) * gap_mask_br
+        seq_sum = jnp.sum(seq_b)
+        part = RolePart(None, seq_sum, denom, n_tok, {k: v * metric_weight(k, n_tok, denom) for k, v in terms.items()},
+                        jnp.sum(gap_br), jnp.sum(gap_mask_br), jnp.max(gap_br))
+        return seq_sum, part
 
     # ---- the step ----------------------------------------------------------------------------
-    def _update(self, base, params, opt_states, ema, batches: dict[str, RoleBatch], lr, *,
-                recompute_old):
+    def _update(self, base, state: TrainState, batches: dict[str, RoleBatch], lr, *, recompute_old):
+        grads = {role: self._role_grad(base, state.params[self.cfg.set_of(role)], batch, role, recompute_old)
+                 for role, batch in batches.items()}
+        return self._apply(state, grads, lr)
+
+    def _apply(self, state: TrainState, grads: dict[str, RoleGrad | RolePart], lr) -> tuple[TrainState, StepMetrics]:
+        """Every set's combine + optimizer step from its roles' gradients (`RolePart` sums are finished
+        first)."""
         cfg = self.cfg
-        scale = dict(cfg.role_scale)
-        out: dict[str, jax.Array] = {}
-        grads, denoms, losses, norms = {}, {}, {}, {}
-        for role, batch in batches.items():
-            trainable = params[cfg.set_of(role)]
-            (loss, (denom, metrics)), g = jax.value_and_grad(self.role_loss, has_aux=True)(
-                trainable, batch, role, recompute_old, base)
-            grads[role], denoms[role], losses[role] = g, denom, loss
-            norms[role] = optax.tree.norm(g)
-            out[f"role/{role}/loss"] = loss
-            out[f"role/{role}/grad_norm"] = norms[role]
-            out[f"role/{role}/n_seq"] = denom
-            for k, v in metrics.items():
-                out[f"role/{role}/{k}"] = v
-
-        new_params, new_opt, new_ema = dict(params), dict(opt_states), dict(ema)
+        grads = {r: g.finish() if isinstance(g, RolePart) else g for r, g in grads.items()}
+        params, opt_state, ema = dict(state.params), dict(state.opt_state), dict(state.ema)
+        roles: dict[str, RoleMetrics] = {}
+        sets: dict[str, SetMetrics] = {}
+        cos: dict[tuple[str, str], jax.Array] = {}
         for set_name in cfg.sets:
-            roles = [r for r in batches if cfg.set_of(r) == set_name]
-            if not roles:
+            on_set = {r: g for r, g in grads.items() if cfg.set_of(r) == set_name}
+            if not on_set:
                 continue
-            present = {r: (denoms[r] > 0).astype(jnp.float32) for r in roles}
-            if cfg.role_weighting == "count":
-                raw = {r: denoms[r] * scale.get(r, 1.0) for r in roles}
-            elif cfg.role_weighting == "equal":
-                raw = {r: present[r] for r in roles}
-            else:  # inverse_norm
-                raw = {r: present[r] / jnp.maximum(norms[r], 1e-12) for r in roles}
-            total = sum(raw.values())
-            weights = {r: raw[r] / jnp.maximum(total, 1e-12) for r in roles}
-            coeffs = {}
-            for r in roles:
-                damp = jnp.float32(1.0)
-                if cfg.damping_lambda > 0:
-                    cos = _tree_dot(grads[r], ema[r]) / jnp.maximum(
-                        norms[r] * optax.tree.norm(ema[r]), 1e-12)
-                    damp = 1.0 - cfg.damping_lambda * jnp.clip(cos, 0.0, 1.0)
-                    mix = jnp.where(denoms[r] > 0, cfg.damping_ema, 1.0)  # absent role: keep EMA
-                    new_ema[r] = jax.tree.map(lambda e, g: mix * e + (1 - mix) * g, ema[r], grads[r])
-                    out[f"role/{r}/damping"] = damp
-                coeffs[r] = weights[r] * damp
-            masses = {r: coeffs[r] * norms[r] for r in roles}
-            mass_total = sum(masses.values())
-            for r in roles:
-                out[f"role/{r}/weight"] = weights[r]
-                out[f"role/{r}/grad_mass"] = masses[r]
-                out[f"role/{r}/grad_share"] = masses[r] / jnp.maximum(mass_total, 1e-12)
-            for a, b in itertools.combinations(roles, 2):
-                out[f"cos/{a}/{b}"] = _tree_dot(grads[a], grads[b]) / jnp.maximum(norms[a] * norms[b],
-                                                                                   1e-12)
-            weighted = {r: _scale(grads[r], coeffs[r]) for r in roles}
-            g_set = functools.reduce(lambda x, y: jax.tree.map(jnp.add, x, y), weighted.values())
-            finite = jnp.all(jnp.stack([jnp.isfinite(losses[r]) & jnp.isfinite(norms[r]) for r in roles]))
-            active = (total > 0) & finite  # a non-finite loss or gradient skips the update
-            out[f"set/{set_name}/nonfinite"] = (~finite).astype(jnp.float32)
-            opt_state = new_opt[set_name]
-            opt_state[1].hyperparams["learning_rate"] = lr
-            updates, opt_state = self.optimizer.update(g_set, opt_state, params[set_name])
-            updated = optax.apply_updates(params[set_name], updates)
-            new_params[set_name] = jax.tree.map(lambda n, o: jnp.where(active, n, o), updated,
-                                                params[set_name])
-            new_opt[set_name] = jax.tree.map(lambda n, o: jnp.where(active, n, o), opt_state,
-                                             new_opt[set_name])
-            for r, share in _update_shares(weighted, updates).items():
-                out[f"role/{r}/update_share"] = jnp.where(active, share, 0.0)
-            out[f"set/{set_name}/grad_norm"] = optax.tree.norm(g_set)
-            out[f"set/{set_name}/update_norm"] = jnp.where(active, optax.tree.norm(updates), 0.0)
-            out[f"set/{set_name}/loss"] = sum(weights[r] * losses[r] for r in roles)
-            out[f"set/{set_name}/active"] = active.astype(jnp.float32)
-        return new_params, new_opt, new_ema, out
+            params[set_name], opt_state[set_name], set_ema, role_m, sets[set_name], set_cos = self._set_update(
+                on_set, state.params[set_name], state.opt_state[set_name], state.ema, lr)
+            ema.update(set_ema)
+            roles.update(role_m)
+            cos.update(set_cos)
+        return (TrainState(params, opt_state, ema, state.step),
+                StepMetrics(roles={r: roles[r] for r in grads}, sets=sets, cos=cos))
+
+    def _role_grad(self, base, trainable, batch: RoleBatch, role: str, recompute_old: bool) -> RoleGrad:
+        """The role's loss on its samples and its gradient w.r.t. its own set's parameters."""
+        (loss, (n_seq, terms, gap)), grad = jax.value_and_grad(self.role_loss, has_aux=True)(
+            trainable, batch, role, recompute_old, base)
+        return RoleGrad(grad, loss, optax.tree.norm(grad), n_seq, terms, gap)
+
+    def _role_part(self, base, trainable, batch: RoleBatch, *, role: str, recompute_old: bool) -> RolePart:
+        """One micro-batch's `RolePart` of a role: its sums and the gradient of its Σ seq_b."""
+        (_, part), grad = jax.value_and_grad(self._role_sum, has_aux=True)(trainable, batch, role, recompute_old, base)
+        return part._replace(grad=grad)
+
+    def _set_update(self, grads: dict[str, RoleGrad], params, opt_state, ema: dict, lr):
+        """Combine the set's role gradients (weights × damping) into G and take one clip + AdamW step;
+        skipped (parameters and optimizer state kept) when no role has samples or one is non-finite.
+        Returns (params, optimizer state, {role: new EMA}, {role: RoleMetrics}, SetMetrics, {pair: cos})."""
+        cfg = self.cfg
+        roles = list(grads)
+        weights, total = self._role_weights(grads)
+        coeffs, damping, new_ema = {}, {}, {}
+        for r in roles:
+            damp = jnp.float32(1.0)
+            if cfg.damping_lambda > 0:
+                g = grads[r]
+                cos_ema = _tree_dot(g.grad, ema[r]) / jnp.maximum(g.norm * optax.tree.norm(ema[r]), 1e-12)
+                damp = 1.0 - cfg.damping_lambda * jnp.clip(cos_ema, 0.0, 1.0)
+                mix = jnp.where(g.n_seq > 0, cfg.damping_ema, 1.0)  # absent role: keep EMA
+                new_ema[r] = jax.tree.map(lambda e, x: mix * e + (1 - mix) * x, ema[r], g.grad)
+                damping[r] = damp
+            coeffs[r] = weights[r] * damp
+        masses = {r: coeffs[r] * grads[r].norm for r in roles}
+        mass_total = sum(masses.values())
+        shares = {r: masses[r] / jnp.maximum(mass_total, 1e-12) for r in roles}
+        cos = {(a, b): _tree_dot(grads[a].grad, grads[b].grad) / jnp.maximum(grads[a].norm * grads[b].norm, 1e-12)
+               for a, b in itertools.combinations(roles, 2)}
+        weighted = {r: _scale(grads[r].grad, coeffs[r]) for r in roles}
+        g_set = functools.reduce(lambda x, y: jax.tree.map(jnp.add, x, y), weighted.values())
+        finite = jnp.all(jnp.stack([jnp.isfinite(grads[r].loss) & jnp.isfinite(grads[r].norm) for r in roles]))
+        active = (total > 0) & finite  # a non-finite loss or gradient skips the update
+        opt_state = with_learning_rate(opt_state, lr)
+        updates, stepped = self.optimizer.update(g_set, opt_state, params)
+        updated = optax.apply_updates(params, updates)
+        new_params = jax.tree.map(lambda n, o: jnp.where(active, n, o), updated, params)
+        new_opt = jax.tree.map(lambda n, o: jnp.where(active, n, o), stepped, opt_state)
+        update_shares = _update_shares(weighted, updates)
+        role_m = {r: RoleMetrics(
+            loss=grads[r].loss, grad_norm=grads[r].norm, n_seq=grads[r].n_seq, terms=grads[r].terms,
+            logp_gap=grads[r].gap["logp_gap"], logp_gap_max=grads[r].gap["logp_gap_max"], weight=weights[r],
+            grad_mass=masses[r], grad_share=shares[r], update_share=jnp.where(active, update_shares[r], 0.0),
+            damping=damping.get(r)) for r in roles}
+        set_m = SetMetrics(loss=sum(weights[r] * grads[r].loss for r in roles), grad_norm=optax.tree.norm(g_set),
+                           update_norm=jnp.where(active, optax.tree.norm(updates), 0.0),
+                           nonfinite=(~finite).astype(jnp.float32), applied=active.astype(jnp.float32))
+        return new_params, new_opt, new_ema, role_m, set_m, cos
+
+    def _role_weights(self, grads: dict[str, RoleGrad]) -> tuple[dict[str, jax.Array], jax.Array]:
+        """w_r of the set's roles (normalised to sum to 1) and the raw total (0: no role has samples)."""
+        cfg, scale = self.cfg, dict(self.cfg.role_scale)
+        present = {r: (g.n_seq > 0).astype(jnp.float32) for r, g in grads.items()}
+        if cfg.role_weighting == "count":
+            raw = {r: g.n_seq * scale.get(r, 1.0) for r, g in grads.items()}
+        elif cfg.role_weighting == "equal":
+            raw = present
+        else:  # inverse_norm
+            raw = {r: present[r] / jnp.maximum(g.norm, 1e-12) for r, g in grads.items()}
+        total = sum(raw.values())
+        return {r: raw[r] / jnp.maximum(total, 1e-12) for r in grads}, total
 
 
-def logp_gap(trainer_logp_nr, batch: RoleBatch) -> dict[str, jax.Array]:
+def logp_gap(trainer_logp_br, batch: RoleBatch) -> dict[str, jax.Array]:
     """Mean and max |sampler − trainer| logprob over the response tokens of rows that carry sampler
     logprobs (prompt and padding positions excluded; both 0 when no row carries them)."""
-    mask_nr = batch.resp_mask_nr * batch.has_sampler_n[:, None]
-    gap_nr = jnp.abs(batch.sampler_logp_nr - trainer_logp_nr) * mask_nr
-    return {"logp_gap": jnp.sum(gap_nr) / jnp.maximum(jnp.sum(mask_nr), 1.0), "logp_gap_max": jnp.max(gap_nr)}
+    mask_br = batch.resp_mask_br * batch.has_sampler_b[:, None]
+    gap_br = jnp.abs(batch.sampler_logp_br - trainer_logp_br) * mask_br
+    return {"logp_gap": jnp.sum(gap_br) / jnp.maximum(jnp.sum(mask_br), 1.0), "logp_gap_max": jnp.max(gap_br)}
 
 
 # ---- host side: packing and mini-batching ---------------------------------------------------------
@@ -290,16 +396,16 @@ class Sample:
 
 def pack(samples: list[Sample], *, n_bucket: int | None = None) -> RoleBatch:
     """Right-pad samples of one role into bucketed arrays (rows beyond len(samples) are padding)."""
-    n = n_bucket or bucket_rows(max(len(samples), 1))
+    B = n_bucket or bucket_rows(max(len(samples), 1))
     T = length_bucket(max([len(s.prompt) + len(s.response) for s in samples] + [2]) + 1)
     R = bucket(max([len(s.response) for s in samples] + [1]), 8)
-    tokens = np.zeros((n, T), np.int32)
-    plen = np.ones((n,), np.int32)
-    mask = np.zeros((n, R), np.float32)
-    adv = np.zeros((n,), np.float32)
-    old = np.zeros((n, R), np.float32)
-    sampler = np.zeros((n, R), np.float32)
-    has_sampler = np.zeros((n,), np.float32)
+    tokens = np.zeros((B, T), np.int32)
+    plen = np.ones((B,), np.int32)
+    mask = np.zeros((B, R), np.float32)
+    adv = np.zeros((B,), np.float32)
+    old = np.zeros((B, R), np.float32)
+    sampler = np.zeros((B, R), np.float32)
+    has_sampler = np.zeros((B,), np.float32)
     for i, s in enumerate(samples):
         seq = list(s.prompt) + list(s.response)
         tokens[i, : len(seq)] = seq
@@ -374,42 +480,58 @@ def minibatches(samples: list[Sample], cfg: StepConfig, *, seed: int | None = No
     return out
 
 
-def train_batch(trainer: Trainer, params, opt_states, ema, samples: list[Sample], lr: float, *,
-                seed: int | None = None):
-    """All optimizer steps of one training step. Returns new state and averaged metrics. `seed`: the
-    mini-batch shuffle (see `minibatches`); derive it from (run seed, step) so a resumed run repeats it."""
+def packed_tokens(samples: list[Sample]) -> int:
+    """Rows × positions of `pack(samples)`: what one forward/backward over them holds in memory."""
+    return bucket_rows(max(len(samples), 1)) * length_bucket(max([len(s.prompt) + len(s.response) for s in samples]
+                                                                 + [2]) + 1)
+
+
+def micro_batches(samples: list[Sample], budget: int) -> list[list[Sample]]:
+    """One role's samples cut into micro-batches of at most `budget` packed tokens (`packed_tokens`),
+    longest first so each holds samples of similar length (little padding); a sample over the budget on
+    its own is a micro-batch of one. `budget` 0: one micro-batch."""
+    if budget <= 0 or not samples:
+        return [samples]
+    out: list[list[Sample]] = [[]]
+    for s in sorted(samples, key=lambda s: len(s.prompt) + len(s.response), reverse=True):
+        if out[-1] and packed_tokens(out[-1] + [s]) > budget:
+            out.append([])
+        out[-1].append(s)
+    return out
+
+
+def _with_old_logprobs(trainer: Trainer, params, mb: dict[str, list[RoleBatch]]) -> dict[str, list[RoleBatch]]:
+    """`mb` with each batch's `old_logp_br` set to its log-probs under `params`: one call for the
+    mini-batch when every role is one batch, one per micro-batch otherwise."""
+    if all(len(bs) == 1 for bs in mb.values()):
+        logp = trainer.logprobs(params, {r: bs[0] for r, bs in mb.items()})
+        return {r: [bs[0]._replace(old_logp_br=logp[r])] for r, bs in mb.items()}
+    return {r: [b._replace(old_logp_br=trainer.logprobs(params, {r: b})[r]) for b in bs] for r, bs in mb.items()}
+
+
+def train_batch(trainer: Trainer, state: TrainState, samples: list[Sample], lr: float, *,
+                seed: int | None = None, ranks: int = 1) -> tuple[TrainState, BatchMetrics]:
+    """All optimizer steps of one training step: the new state (its `step` one higher) and the
+    mini-batches' metrics averaged (`step_metrics.average`). `seed`: the mini-batch shuffle (see
+    `minibatches`); derive it from (run seed, step) so a resumed run repeats it. With
+    `rl.micro_batch_tokens`, each role's part of a mini-batch is cut into micro-batches of at most that many
+    tokens per data-parallel rank (`ranks` of them share a micro-batch's rows) and their gradients add up
+    (`Trainer.accumulated_update`): the same update, in bounded memory."""
     cfg = trainer.cfg
     mbs = minibatches(samples, cfg, seed=seed)
     roles_present = sorted({s.role for s in samples})
-    packed = []
-    for mb in mbs:
-        # every role appears in every call (empty → one all-masked row) so one compilation serves all
-        packed.append({r: pack(mb.get(r, [])) for r in roles_present})
+    budget = cfg.micro_batch_tokens * ranks
+    # every role appears in every call (empty → one all-masked row) so one compilation serves all
+    packed = [{r: [pack(m) for m in micro_batches(mb.get(r, []), budget)] for r in roles_present} for mb in mbs]
     recompute_old = len(packed) > 1
     if recompute_old:  # old log-probs under the parameters before the first update (PPO semantics)
-        packed = [{r: b._replace(old_logp_nr=lp) for (r, b), lp in
-                   zip(mb.items(), trainer.logprobs(params, mb).values())} for mb in packed]
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    opt_steps = {s: 0 for s in cfg.sets}
+        packed = [_with_old_logprobs(trainer, state.params, mb) for mb in packed]
+    per_mb = []
     for mb in packed:
-        params, opt_states, ema, m = trainer.update(params, opt_states, ema, mb, jnp.float32(lr),
-                                                    recompute_old=recompute_old)
-        m = jax.device_get(m)
-        for s in cfg.sets:
-            opt_steps[s] += int(m.get(f"set/{s}/active", 0.0) > 0)
-        for k, v in m.items():
-            if k.startswith("set/") and k.endswith("/active"):
-                continue
-            if k.endswith("/nonfinite") or k.endswith("/logp_gap_max"):  # the worst mini-batch
-                sums[k] = max(sums.get(k, 0.0), float(v))
-                counts[k] = 1
-                continue
-            if k.startswith("role/") and float(m.get(f"role/{k.split('/')[1]}/n_seq", 1.0)) == 0:
-                continue  # a role absent from this mini-batch does not dilute its averages
-            sums[k] = sums.get(k, 0.0) + float(v)
-            counts[k] = counts.get(k, 0) + 1
-    metrics = {k: sums[k] / counts[k] for k in sums}
-    for s, n in opt_steps.items():
-        metrics[f"set/{s}/opt_steps"] = n
-    return params, opt_states, ema, metrics
+        if budget > 0:
+            state, m = trainer.accumulated_update(state, mb, jnp.float32(lr), recompute_old=recompute_old)
+        else:
+            state, m = trainer.update(state, {r: bs[0] for r, bs in mb.items()}, jnp.float32(lr),
+                                      recompute_old=recompute_old)
+        per_mb.append(jax.device_get(m))
+    return state.replace(step=state.step + 1), average(per_mb, cfg.sets)
