@@ -138,7 +138,9 @@ class MeshConfig:
 @dataclasses.dataclass
 class Config:
     model: str = "qwen3-0.6b"
-    dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype (activations, matmul inputs, KV cache): float32 | bfloat16
+    # storage dtype of the frozen base model (null: `dtype`); trainable state is float32 regardless
+    param_dtype: str | None = None
     policy: Any = "shared"  # shared | isolated | {role: set_name}
     steps: int = 300
     run_dir: str = "runs/default"
@@ -298,6 +300,10 @@ def resolve(cfg: Config) -> Config:
         limits = paper_limits(task_kind(cfg.task.name), cfg.workflow.name)
     except ValueError as e:
         raise ConfigError(f"{e} Set workflow= to one of single, eval_opt, voting, orch_workers.") from None
+    from marljax.models.decoder import DTYPES  # here: sharding, under the decoder, imports config
+    for key, value in (("dtype", cfg.dtype), ("param_dtype", cfg.param_dtype or cfg.dtype)):
+        if value not in DTYPES:
+            raise ConfigError(f"{key}={value!r} is not supported; use one of {DTYPES}.")
     out = copy.deepcopy(cfg)
     for section, key, value in (("sampling", "max_new_tokens", limits.response),
                                 ("sampling", "max_prompt_tokens", limits.prompt),

@@ -35,6 +35,7 @@ from marljax.checkpoint import Checkpointer
 from marljax.config import Config, ConfigError, cli_config, describe, leaves, load_config, resolve, to_dict
 from marljax.metrics import MetricsLogger
 from marljax.models import load_model, load_tokenizer
+from marljax.models.decoder import trainable_params
 from marljax.models.tokenizer import ChatCodec
 from marljax.rl import policy_map as pm
 from marljax.rl.advantages import AdvantageConfig, compute_advantages
@@ -98,7 +99,7 @@ class Run:
                               "or 'rlimits' (no filesystem or network isolation).")
         self.mesh = sharding.make_mesh(cfg.mesh)
         self.rules = sharding.get_rules(cfg.mesh, self.mesh)
-        self.model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed,
+        self.model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed, param_dtype=cfg.param_dtype,
                                 shardings=sharding.variable_sharding(self.mesh, self.rules))
         self.codec = ChatCodec(load_tokenizer(cfg.model))
         opts = dict(cfg.task.options)
@@ -167,8 +168,7 @@ class Run:
         if self.lora_cfg is not None:
             return {s: init_lora(self.model.config, self.lora_cfg, jax.random.fold_in(key, i))
                     for i, s in enumerate(self.policy.sets)}
-        state = nnx.state(self.model, nnx.Param)
-        return {s: jax.tree.map(jnp.array, state) for s in self.policy.sets}
+        return {s: trainable_params(self.model) for s in self.policy.sets}  # float32 master weights
 
     # ---- sampling ------------------------------------------------------------------------------
     def sample_fn(self, temperature: float):

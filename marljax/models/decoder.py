@@ -48,15 +48,17 @@ class ModelConfig:
     tie_embeddings: bool = True
     qk_norm: bool = True
     max_position: int = 40_960
-    dtype: str = "float32"  # parameter and compute dtype; norms and softmax run in float32
+    dtype: str = "float32"  # compute dtype (see `DTYPES`): activations, matmul inputs, the KV cache
+    param_dtype: str | None = None  # storage dtype of the parameters; None: `dtype`
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
                 "grouped-query attention needs an integer group size.")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype={self.dtype!r} is not supported; use 'float32' or 'bfloat16'.")
+        check_dtype("dtype", self.dtype)
+        if self.param_dtype is not None:
+            check_dtype("param_dtype", self.param_dtype)
 
     def linear_shape(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(input dims, output dims) of one layer's linear map `name`."""
@@ -78,7 +80,35 @@ class ModelConfig:
 
     @property
     def jnp_dtype(self):
+        """The compute dtype."""
         return jnp.dtype(self.dtype)
+
+    @property
+    def param_jnp_dtype(self):
+        """The storage dtype of the parameters."""
+        return jnp.dtype(self.param_dtype or self.dtype)
+
+
+# Mixed precision. `dtype` is the compute dtype: the residual stream, every activation, the matmuls'
+# inputs (weights are cast to it where they are read) and the KV cache. Matmuls accumulate in float32:
+# XLA's bfloat16 dots do so on every backend (TPU MXU, GPU cuBLAS with a float32 compute type, CPU via
+# float32: a bfloat16-output dot equals the float32-accumulated one rounded once, checked in
+# tests/test_bf16.py), so a dot whose result is rounded at once keeps the compute dtype as its output
+# type (and its backward keeps bfloat16 operands); `preferred_element_type=float32` is asked where the
+# float32 result is used before rounding: a LoRA-adapted map (base + scale·(x A) B summed in float32,
+# then rounded once: a small adapter delta is not rounded away against the bfloat16 base output),
+# attention scores and softmax, the logits. RMSNorm, RoPE, softmax, logits and log-probs run in float32.
+# `param_dtype` is how the frozen base is stored (bfloat16 halves its HBM); trainable state is float32
+# whatever the two (`init_lora`'s adapters, `trainable_params` for full fine-tuning), so AdamW's
+# moments and small updates are not rounded to 8 bits. Budgets: tests/test_bf16.py, docs/benchmarks.md.
+DTYPES = ("float32", "bfloat16")
+
+
+def check_dtype(key: str, value: str) -> str:
+    """`value` if it is one of `DTYPES`, else a ValueError naming `key` and the choices."""
+    if value not in DTYPES:
+        raise ValueError(f"{key}={value!r} is not supported; use one of {DTYPES}.")
+    return value
 
 
 def _prod(xs) -> int:
@@ -124,12 +154,16 @@ def linear(x, w, name: str, lora_layer: dict | None, lora_scale: float, n_in: in
     in_axes = "ijk"[:n_in]
     n_out = w.ndim - n_in
     out_axes = "xyz"[:n_out]
-    y = jnp.einsum(f"t{in_axes},{in_axes}{out_axes}->t{out_axes}", x, w)
-    if lora_layer is not None and name in lora_layer:
+    adapted = lora_layer is not None and name in lora_layer
+    acc = jnp.float32 if adapted else x.dtype  # see DTYPES: float32 output where it is summed first
+    y = jnp.einsum(f"t{in_axes},{in_axes}{out_axes}->t{out_axes}", x, w.astype(x.dtype),
+                   preferred_element_type=acc)
+    if adapted:
         a, b = lora_layer[name]["a"], lora_layer[name]["b"]  # a: [*in, r], b: [r, *out]
         h = jnp.einsum(f"t{in_axes},{in_axes}r->tr", x, a.astype(x.dtype))
-        delta = lora_scale * jnp.einsum(f"tr,r{out_axes}->t{out_axes}", h, b.astype(x.dtype))
-        y = y + delta.astype(y.dtype)  # a float32 scale must not promote a bfloat16 model
+        delta = lora_scale * jnp.einsum(f"tr,r{out_axes}->t{out_axes}", h, b.astype(x.dtype),
+                                        preferred_element_type=jnp.float32)
+        y = (y + delta).astype(x.dtype)  # one rounding to the compute dtype
     return y.reshape(lead + y.shape[1:])
 
 
@@ -138,7 +172,7 @@ class Decoder(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = c = config
-        dt = c.jnp_dtype
+        dt = c.param_jnp_dtype
         init = jax.nn.initializers.normal(0.02)
         L = c.num_layers
 
@@ -173,13 +207,15 @@ class Decoder(nnx.Module):
         return logits if cache is None else (logits, new_cache)
 
     def logits(self, h_btd):
-        """Final norm + (tied) output projection, float32 logits."""
+        """Final norm + (tied) output projection, float32 logits (float32 accumulation)."""
         c = self.config
         h = rms_norm(h_btd, self.final_norm[...], c.rms_norm_eps)
         if c.tie_embeddings:  # contract with the [V, D] table as stored: no transposed copy per call
-            logits = jnp.einsum("...d,vd->...v", h, self.embed[...], preferred_element_type=jnp.float32)
+            logits = jnp.einsum("...d,vd->...v", h, self.embed[...].astype(h.dtype),
+                                preferred_element_type=jnp.float32)
         else:
-            logits = jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
+            logits = jnp.einsum("...d,dv->...v", h, self.lm_head[...].astype(h.dtype),
+                                preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", *("length",) * (logits.ndim - 2), "act_vocab"))
 
     def hidden(self, tokens_bt, positions_bt=None, *, cache=None, lora=None, lora_scale=1.0,
@@ -201,7 +237,8 @@ class Decoder(nnx.Module):
         B, T = tokens_bt.shape
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        x = constrain(jnp.take(self.embed[...], tokens_bt, axis=0), ("batch", "length", "act_embed"))
+        x = jnp.take(self.embed[...], tokens_bt, axis=0).astype(c.jnp_dtype)  # the residual stream
+        x = constrain(x, ("batch", "length", "act_embed"))
         if cache is None:
             impl = resolve_attention(attention_impl, T, c.jnp_dtype)
         else:
@@ -263,9 +300,17 @@ class Decoder(nnx.Module):
         return x, None
 
     def layer_list(self) -> list[dict]:
-        """Per-layer weights {name: array} sliced out of the stacked parameters (for the cached path)."""
-        stacked = {k: v[...] for k, v in self.layers.items()}
+        """Per-layer weights {name: array} sliced out of the stacked parameters (for the cached path),
+        linear maps in the compute dtype (what `linear` reads them as; norm scales as stored)."""
+        dt = self.config.jnp_dtype
+        stacked = {k: v[...].astype(dt) if k in LINEAR_AXES else v[...] for k, v in self.layers.items()}
         return [{k: v[i] for k, v in stacked.items()} for i in range(self.config.num_layers)]
+
+
+def trainable_params(model: Decoder) -> nnx.State:
+    """float32 copies of `model`'s parameters: full fine-tuning's trainable state (its master weights;
+    see `DTYPES`), whatever their storage dtype."""
+    return jax.tree.map(lambda x: jnp.array(x, jnp.float32), nnx.state(model, nnx.Param))
 
 
 # Activation rematerialisation in the backward pass: what each layer keeps from its forward pass.

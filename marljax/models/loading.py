@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from marljax.models.decoder import LINEAR_AXES, Decoder, ModelConfig
+from marljax.models.decoder import LINEAR_AXES, Decoder, ModelConfig, check_dtype
 from marljax.models.presets import HUB_IDS, PRESETS, RANDOM_PRESETS, get_preset
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
@@ -100,7 +100,7 @@ def hf_tensor_to_slot(config: ModelConfig, name: str, value: np.ndarray
         value = value.T.reshape(*ins, *outs)
     elif slot == "lm_head":
         value = value.T
-    return slot, layer, np.asarray(value, dtype=config.jnp_dtype)
+    return slot, layer, np.asarray(value, dtype=config.param_jnp_dtype)
 
 
 def slot_to_hf_tensor(config: ModelConfig, slot: str, layer: int | None, value: np.ndarray
@@ -164,7 +164,7 @@ def _assemble(config: ModelConfig, tensors: dict[str, _Tensor], where: str,
         by_slot.setdefault(slot, []).append((layer, name))
     for slot, entries in by_slot.items():
         variable = model.layers[slot] if entries[0][0] is not None else getattr(model, slot)
-        buf = np.empty(variable.get_value().shape, config.jnp_dtype)
+        buf = np.empty(variable.get_value().shape, config.param_jnp_dtype)
         for layer, name in entries:
             _, _, value = hf_tensor_to_slot(config, name, tensors[name].read())
             if layer is None:
@@ -236,7 +236,7 @@ def config_to_hf(config: ModelConfig) -> dict:
         "rope_theta": config.rope_theta, "rope_scaling": None,
         "max_position_embeddings": config.max_position,
         "tie_word_embeddings": config.tie_embeddings, "attention_bias": False,
-        "torch_dtype": config.dtype,
+        "torch_dtype": str(config.param_jnp_dtype),  # as the tensors are stored
     }
     if not qwen:
         cfg["mlp_bias"] = False
@@ -288,11 +288,11 @@ def read_hf_config(ckpt_dir: str | os.PathLike, dtype: str = "float32") -> Model
 
 
 def load_hf(ckpt_dir: str | os.PathLike, dtype: str = "float32", preset: str | None = None,
-            shardings=None) -> Decoder:
+            shardings=None, param_dtype: str | None = None) -> Decoder:
     """A transformers checkpoint dir (config.json + safetensors) -> Decoder; with `preset`, first
     check that the dir holds that preset's architecture."""
     ckpt_dir = Path(ckpt_dir)
-    config = read_hf_config(ckpt_dir, dtype)
+    config = dataclasses.replace(read_hf_config(ckpt_dir, dtype), param_dtype=param_dtype)
     if preset is not None:
         _check_matches_preset(preset, config, ckpt_dir)
     with _safetensors_tensors(ckpt_dir) as tensors:
@@ -406,7 +406,7 @@ def config_from_gguf(reader, dtype: str = "float32") -> ModelConfig:
 
 
 def load_gguf(path: str | os.PathLike, dtype: str = "float32", preset: str | None = None,
-              shardings=None) -> Decoder:
+              shardings=None, param_dtype: str | None = None) -> Decoder:
     """A llama.cpp GGUF file (Llama architecture, any quantization `gguf` dequantizes) -> Decoder;
     with `preset`, first check that the file holds that preset's architecture."""
     import gguf
@@ -415,7 +415,7 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32", preset: str | Non
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} not found.")
     reader = gguf.GGUFReader(path)
-    config = config_from_gguf(reader, dtype)
+    config = dataclasses.replace(config_from_gguf(reader, dtype), param_dtype=param_dtype)
     if preset is not None:
         _check_matches_preset(preset, config, path)
 
@@ -500,7 +500,7 @@ def resolve_preset(name: str) -> Path:
 
 
 def _check_matches_preset(name: str, config: ModelConfig, where: Path) -> None:
-    preset = dataclasses.replace(PRESETS[name], dtype=config.dtype)
+    preset = dataclasses.replace(PRESETS[name], dtype=config.dtype, param_dtype=config.param_dtype)
     for f in dataclasses.fields(ModelConfig):
         if f.name != "max_position" and getattr(config, f.name) != getattr(preset, f.name):
             raise CheckpointError(
@@ -515,15 +515,17 @@ def random_model(config: ModelConfig, seed: int = 0) -> Decoder:
 
 
 def load_model(source: str | os.PathLike, dtype: str = "float32", seed: int = 0, *,
-               shardings=None) -> Decoder:
-    """A preset name, a HF checkpoint dir or a .gguf file -> Decoder (`seed`: random presets).
+               shardings=None, param_dtype: str | None = None) -> Decoder:
+    """A preset name, a HF checkpoint dir or a .gguf file -> Decoder (`seed`: random presets), computing
+    in `dtype` with its parameters stored in `param_dtype` (None: `dtype`; see `decoder.DTYPES`).
     `shardings`: Variable -> Sharding (`marljax.sharding.variable_sharding`) placing each parameter
     on a device mesh as it is read."""
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype={dtype!r} is not supported; use 'float32' or 'bfloat16'.")
+    check_dtype("dtype", dtype)
+    if param_dtype is not None:
+        check_dtype("param_dtype", param_dtype)
     name = str(source)
     if name in RANDOM_PRESETS:
-        model = random_model(dataclasses.replace(PRESETS[name], dtype=dtype), seed)
+        model = random_model(dataclasses.replace(PRESETS[name], dtype=dtype, param_dtype=param_dtype), seed)
         if shardings is not None:
             for _, v in nnx.iter_graph(model):
                 if isinstance(v, nnx.Param):
@@ -537,4 +539,4 @@ def load_model(source: str | os.PathLike, dtype: str = "float32", seed: int = 0,
             raise FileNotFoundError(f"{name!r} is neither a model preset ({', '.join(PRESETS)}) "
                                     "nor an existing checkpoint dir or .gguf file.")
     preset = name if name in PRESETS else None
-    return (load_gguf if path.suffix == ".gguf" else load_hf)(path, dtype, preset, shardings)
+    return (load_gguf if path.suffix == ".gguf" else load_hf)(path, dtype, preset, shardings, param_dtype)

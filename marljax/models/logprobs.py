@@ -15,13 +15,15 @@ LOGPROB_CHUNK = 256  # response positions per chunk (R ≤ this: one pass, as wi
 
 def target_logprobs(logits_fn, h_nrd, target_nr, temperature: float = 1.0, chunk: int | None = None):
     """log softmax(logits_fn(h) / temperature)[target] [n, R] float32; `logits_fn` maps hidden states
-    [..., D] to float32 logits [..., V] (the decoder's `logits`); `chunk` defaults to LOGPROB_CHUNK."""
+    [..., D] (in the compute dtype) to logits [..., V] (the decoder's `logits`: float32); the tempered
+    logits and their log-sum-exp are float32 whatever the compute dtype. `chunk` defaults to
+    LOGPROB_CHUNK."""
     chunk = LOGPROB_CHUNK if chunk is None else chunk
     if chunk < 1:
         raise ValueError(f"chunk={chunk}: log-probs need at least one position per chunk.")
 
     def logprobs(h_ncd, target_nc):
-        logits = logits_fn(h_ncd) / temperature
+        logits = logits_fn(h_ncd).astype(jnp.float32) / temperature
         target_logit = jnp.take_along_axis(logits, target_nc[:, :, None], axis=-1)[:, :, 0]
         return target_logit - jax.nn.logsumexp(logits, axis=-1)  # no [n, R, vocab] log_softmax
 
