@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from marljax.models.attention import attention, causal_attention, resolve_attention
+from marljax.models.precision import check_dtype, dot_f32
 from marljax.sharding import constrain
 
 # Linear maps of one layer: name -> (input logical axes, output logical axes).
@@ -48,7 +49,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     qk_norm: bool = True
     max_position: int = 40_960
-    dtype: str = "float32"  # compute dtype (see `DTYPES`): activations, matmul inputs, the KV cache
+    dtype: str = "float32"  # compute dtype (models/precision.py): activations, matmul inputs, KV cache
     param_dtype: str | None = None  # storage dtype of the parameters; None: `dtype`
 
     def __post_init__(self):
@@ -87,28 +88,6 @@ class ModelConfig:
     def param_jnp_dtype(self):
         """The storage dtype of the parameters."""
         return jnp.dtype(self.param_dtype or self.dtype)
-
-
-# Mixed precision. `dtype` is the compute dtype: the residual stream, every activation, the matmuls'
-# inputs (weights are cast to it where they are read) and the KV cache. Matmuls accumulate in float32:
-# XLA's bfloat16 dots do so on every backend (TPU MXU, GPU cuBLAS with a float32 compute type, CPU via
-# float32: a bfloat16-output dot equals the float32-accumulated one rounded once, checked in
-# tests/test_bf16.py), so a dot whose result is rounded at once keeps the compute dtype as its output
-# type (and its backward keeps bfloat16 operands); `preferred_element_type=float32` is asked where the
-# float32 result is used before rounding: a LoRA-adapted map (base + scale·(x A) B summed in float32,
-# then rounded once: a small adapter delta is not rounded away against the bfloat16 base output),
-# attention scores and softmax, the logits. RMSNorm, RoPE, softmax, logits and log-probs run in float32.
-# `param_dtype` is how the frozen base is stored (bfloat16 halves its HBM); trainable state is float32
-# whatever the two (`init_lora`'s adapters, `trainable_params` for full fine-tuning), so AdamW's
-# moments and small updates are not rounded to 8 bits. Budgets: tests/test_bf16.py, docs/benchmarks.md.
-DTYPES = ("float32", "bfloat16")
-
-
-def check_dtype(key: str, value: str) -> str:
-    """`value` if it is one of `DTYPES`, else a ValueError naming `key` and the choices."""
-    if value not in DTYPES:
-        raise ValueError(f"{key}={value!r} is not supported; use one of {DTYPES}.")
-    return value
 
 
 def _prod(xs) -> int:
@@ -154,16 +133,15 @@ def linear(x, w, name: str, lora_layer: dict | None, lora_scale: float, n_in: in
     in_axes = "ijk"[:n_in]
     n_out = w.ndim - n_in
     out_axes = "xyz"[:n_out]
-    adapted = lora_layer is not None and name in lora_layer
-    acc = jnp.float32 if adapted else x.dtype  # see DTYPES: float32 output where it is summed first
-    y = jnp.einsum(f"t{in_axes},{in_axes}{out_axes}->t{out_axes}", x, w.astype(x.dtype),
-                   preferred_element_type=acc)
-    if adapted:
+    spec = f"t{in_axes},{in_axes}{out_axes}->t{out_axes}"
+    w = w.astype(x.dtype)
+    if lora_layer is None or name not in lora_layer:  # output in the compute dtype (float32 accumulation)
+        y = jnp.einsum(spec, x, w)
+    else:  # base and delta in float32, rounded once to the compute dtype (models/precision.py)
         a, b = lora_layer[name]["a"], lora_layer[name]["b"]  # a: [*in, r], b: [r, *out]
         h = jnp.einsum(f"t{in_axes},{in_axes}r->tr", x, a.astype(x.dtype))
-        delta = lora_scale * jnp.einsum(f"tr,r{out_axes}->t{out_axes}", h, b.astype(x.dtype),
-                                        preferred_element_type=jnp.float32)
-        y = (y + delta).astype(x.dtype)  # one rounding to the compute dtype
+        delta = lora_scale * dot_f32(f"tr,r{out_axes}->t{out_axes}", h, b.astype(x.dtype))
+        y = (dot_f32(spec, x, w) + delta).astype(x.dtype)
     return y.reshape(lead + y.shape[1:])
 
 
@@ -211,11 +189,9 @@ class Decoder(nnx.Module):
         c = self.config
         h = rms_norm(h_btd, self.final_norm[...], c.rms_norm_eps)
         if c.tie_embeddings:  # contract with the [V, D] table as stored: no transposed copy per call
-            logits = jnp.einsum("...d,vd->...v", h, self.embed[...].astype(h.dtype),
-                                preferred_element_type=jnp.float32)
+            logits = dot_f32("...d,vd->...v", h, self.embed[...].astype(h.dtype))
         else:
-            logits = jnp.einsum("...d,dv->...v", h, self.lm_head[...].astype(h.dtype),
-                                preferred_element_type=jnp.float32)
+            logits = dot_f32("...d,dv->...v", h, self.lm_head[...].astype(h.dtype))
         return constrain(logits, ("batch", *("length",) * (logits.ndim - 2), "act_vocab"))
 
     def hidden(self, tokens_bt, positions_bt=None, *, cache=None, lora=None, lora_scale=1.0,
@@ -308,8 +284,8 @@ class Decoder(nnx.Module):
 
 
 def trainable_params(model: Decoder) -> nnx.State:
-    """float32 copies of `model`'s parameters: full fine-tuning's trainable state (its master weights;
-    see `DTYPES`), whatever their storage dtype."""
+    """float32 copies of `model`'s parameters: full fine-tuning's trainable state (its master weights,
+    models/precision.py), whatever their storage dtype."""
     return jax.tree.map(lambda x: jnp.array(x, jnp.float32), nnx.state(model, nnx.Param))
 
 

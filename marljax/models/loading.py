@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from marljax.models.decoder import LINEAR_AXES, Decoder, ModelConfig, check_dtype
+from marljax.models.decoder import LINEAR_AXES, Decoder, ModelConfig
+from marljax.models.precision import check_dtype
 from marljax.models.presets import HUB_IDS, PRESETS, RANDOM_PRESETS, get_preset
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
@@ -517,7 +518,7 @@ def random_model(config: ModelConfig, seed: int = 0) -> Decoder:
 def load_model(source: str | os.PathLike, dtype: str = "float32", seed: int = 0, *,
                shardings=None, param_dtype: str | None = None) -> Decoder:
     """A preset name, a HF checkpoint dir or a .gguf file -> Decoder (`seed`: random presets), computing
-    in `dtype` with its parameters stored in `param_dtype` (None: `dtype`; see `decoder.DTYPES`).
+    in `dtype` with its parameters stored in `param_dtype` (None: `dtype`; see models/precision.py).
     `shardings`: Variable -> Sharding (`marljax.sharding.variable_sharding`) placing each parameter
     on a device mesh as it is read."""
     check_dtype("dtype", dtype)
