@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from marljax.models.attention import attention, causal_attention, resolve_attention
 from marljax.models.precision import check_dtype, dot_f32
@@ -142,6 +143,8 @@ def linear(x, w, name: str, lora_layer: dict | None, lora_scale: float, n_in: in
         h = jnp.einsum(f"t{in_axes},{in_axes}r->tr", x, a.astype(x.dtype))
         delta = lora_scale * dot_f32(f"tr,r{out_axes}->t{out_axes}", h, b.astype(x.dtype))
         y = (dot_f32(spec, x, w) + delta).astype(x.dtype)
+        if x.dtype != jnp.float32:  # remat's `dots` keeps it: it does not see dot_f32's custom-VJP matmul
+            y = checkpoint_name(y, LINEAR_OUTPUT)
     return y.reshape(lead + y.shape[1:])
 
 
@@ -289,12 +292,16 @@ def trainable_params(model: Decoder) -> nnx.State:
     return jax.tree.map(lambda x: jnp.array(x, jnp.float32), nnx.state(model, nnx.Param))
 
 
+LINEAR_OUTPUT = "linear_output"  # checkpoint name of a LoRA-adapted map's output in bfloat16
+
 # Activation rematerialisation in the backward pass: what each layer keeps from its forward pass.
 REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,  # memory ∝ layers × B·T·D; one more forward
     # keep the linear maps' outputs (q, k, v, o, gate, up, down: 9·D floats per token and layer for
     # SmolLM2); only norms, RoPE, attention and the MLP activation are recomputed
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(LINEAR_OUTPUT)),
     "none": None,  # keep everything, attention probabilities included (∝ layers × B·heads·T²)
 }
 
