@@ -20,7 +20,6 @@ from typing import Any
 
 import yaml
 
-from marljax.models.precision import DTYPES
 from marljax.tasks.data import task_kind
 from marljax.workflows.limits import paper_limits
 
@@ -301,6 +300,7 @@ def resolve(cfg: Config) -> Config:
         limits = paper_limits(task_kind(cfg.task.name), cfg.workflow.name)
     except ValueError as e:
         raise ConfigError(f"{e} Set workflow= to one of single, eval_opt, voting, orch_workers.") from None
+    from marljax.models.precision import DTYPES  # not at the top: marljax.models imports sharding → config
     for key, value in (("dtype", cfg.dtype), ("param_dtype", cfg.param_dtype or cfg.dtype)):
         if value not in DTYPES:
             raise ConfigError(f"{key}={value!r} is not supported; use one of {DTYPES}.")
