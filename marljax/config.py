@@ -29,8 +29,9 @@ from typing import Any
 import yaml
 
 from marljax.models.attention import ATTENTIONS
-from marljax.models.decoder import DTYPES, REMAT
+from marljax.models.decoder import REMAT
 from marljax.models.lora import ALL_LINEAR, LoRAConfig
+from marljax.models.precision import DTYPES
 from marljax.rl import policy_map as pm
 from marljax.rl.advantages import REWARD_ROUTINGS, AdvantageConfig, get_estimator, get_group_key
 from marljax.rl.diagnostics import CliffConfig
@@ -300,7 +301,9 @@ def check_mesh(mesh: MeshConfig) -> None:
 @dataclasses.dataclass
 class Config:
     model: str = "qwen3-0.6b"
-    dtype: str = "float32"  # models.decoder.DTYPES
+    dtype: str = "float32"  # compute dtype (activations, matmul inputs, KV cache): models.precision.DTYPES
+    # storage dtype of the frozen base model (null: `dtype`); trainable state is float32 regardless
+    param_dtype: str | None = None
     policy: Any = "shared"  # shared | isolated | {role: set_name}
     steps: int = 300
     run_dir: str = "runs/default"
@@ -324,6 +327,8 @@ def validate(cfg: Config) -> Config:
     workflow = cfg.workflow.check()
     cfg.task.check()
     one_of("dtype", cfg.dtype, DTYPES)
+    if cfg.param_dtype is not None:
+        one_of("param_dtype", cfg.param_dtype, DTYPES)
     if isinstance(cfg.policy, str):
         one_of("policy", cfg.policy, pm.POLICY_CHOICES)
     building("policy", lambda: pm.from_config(cfg.policy, workflow.roles))

@@ -41,7 +41,7 @@ from marljax.checkpoint import Checkpointer
 from marljax.config import Config, ConfigError, cli_config, describe, leaves, load_config, resolve, to_dict
 from marljax.metrics import MetricsLogger
 from marljax.models import load_model, load_tokenizer
-from marljax.models.decoder import Decoder
+from marljax.models.decoder import Decoder, trainable_params
 from marljax.models.lora import LoRAConfig, init_lora
 from marljax.models.tokenizer import ChatCodec
 from marljax.policy_sampler import PolicySampler, SamplerSettings
@@ -85,8 +85,7 @@ class Policy:
             params = {s: init_lora(self.model.config, self.lora_cfg, jax.random.fold_in(key, i))
                       for i, s in enumerate(sets)}
         else:
-            state = nnx.state(self.model, nnx.Param)
-            params = {s: jax.tree.map(jnp.array, state) for s in sets}
+            params = {s: trainable_params(self.model) for s in sets}  # float32 master weights
         return jax.device_put(params, self.param_shardings(cfg, params))
 
     def param_shardings(self, cfg: Config, params: dict) -> dict:
@@ -117,7 +116,7 @@ def build_policy(cfg: Config) -> Policy:
     """Mesh, rules, the base model loaded onto them, the codec and the LoRA format of a resolved config."""
     mesh = sharding.make_mesh(cfg.mesh)
     rules = sharding.get_rules(cfg.mesh, mesh)
-    model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed,
+    model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed, param_dtype=cfg.param_dtype,
                        shardings=sharding.variable_sharding(mesh, rules))
     codec = ChatCodec(load_tokenizer(cfg.model))
     return Policy(mesh, rules, model, codec, cfg.lora.build())

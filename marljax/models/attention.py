@@ -24,6 +24,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from marljax.models.precision import dot_f32
+
 ATTENTIONS = ("auto", "dense", "blockwise", "cudnn", "splash")
 # `auto` on CPU: dense up to this length, blockwise above (measured in docs/scale_out.md).
 DENSE_MAX_LENGTH = 512
@@ -95,7 +97,7 @@ def attention(q_bthd, k, v, mask_bts, layout: str = "cache"):
     q = q_bthd.reshape(B, T, K, H // K, D)
     if layout == "train":
         q = q.transpose(0, 2, 3, 1, 4)
-    scores = jnp.einsum(scores_spec, q, k, preferred_element_type=jnp.float32)
+    scores = dot_f32(scores_spec, q, k)  # float32; its backward in the compute dtype
     scores = scores * (D ** -0.5)
     # A finite floor (not -inf) keeps fully masked padding rows NaN-free in value and gradient.
     scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)

@@ -33,12 +33,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from marljax.models.attention import attention, causal_attention, resolve_attention
+from marljax.models.precision import check_dtype, dot_f32
 from marljax.sharding import constrain
 
 # Linear maps of one layer: name -> (input logical axes, output logical axes).
-DTYPES = ("float32", "bfloat16")  # parameter dtypes a model can hold
 LINEAR_AXES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "wq": (("embed",), ("heads", "head_dim")),
     "wk": (("embed",), ("kv_heads", "head_dim")),
@@ -66,15 +67,17 @@ class ModelConfig:
     tie_embeddings: bool = True
     qk_norm: bool = True
     max_position: int = 40_960
-    dtype: str = "float32"  # parameter and compute dtype; norms and softmax run in float32
+    dtype: str = "float32"  # compute dtype (models/precision.py): activations, matmul inputs, KV cache
+    param_dtype: str | None = None  # storage dtype of the parameters; None: `dtype`
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
                 "grouped-query attention needs an integer group size.")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; use 'float32' or 'bfloat16'.")
+        check_dtype("dtype", self.dtype)
+        if self.param_dtype is not None:
+            check_dtype("param_dtype", self.param_dtype)
 
     def linear_shape(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(input dims, output dims) of one layer's linear map `name`."""
@@ -96,7 +99,13 @@ class ModelConfig:
 
     @property
     def jnp_dtype(self):
+        """The compute dtype."""
         return jnp.dtype(self.dtype)
+
+    @property
+    def param_jnp_dtype(self):
+        """The storage dtype of the parameters."""
+        return jnp.dtype(self.param_dtype or self.dtype)
 
 
 def _prod(xs) -> int:
@@ -142,12 +151,17 @@ def linear(x, w, name: str, lora_layer: dict | None, lora_scale: float, n_in: in
     in_axes = "ijk"[:n_in]
     n_out = w.ndim - n_in
     out_axes = "xyz"[:n_out]
-    y = jnp.einsum(f"t{in_axes},{in_axes}{out_axes}->t{out_axes}", x, w)
-    if lora_layer is not None and name in lora_layer:
+    spec = f"t{in_axes},{in_axes}{out_axes}->t{out_axes}"
+    w = w.astype(x.dtype)
+    if lora_layer is None or name not in lora_layer:  # output in the compute dtype (float32 accumulation)
+        y = jnp.einsum(spec, x, w)
+    else:  # base and delta in float32, rounded once to the compute dtype (models/precision.py)
         a, b = lora_layer[name]["a"], lora_layer[name]["b"]  # a: [*in, r], b: [r, *out]
         h = jnp.einsum(f"t{in_axes},{in_axes}r->tr", x, a.astype(x.dtype))
-        delta = lora_scale * jnp.einsum(f"tr,r{out_axes}->t{out_axes}", h, b.astype(x.dtype))
-        y = y + delta.astype(y.dtype)  # a float32 scale must not promote a bfloat16 model
+        delta = lora_scale * dot_f32(f"tr,r{out_axes}->t{out_axes}", h, b.astype(x.dtype))
+        y = (dot_f32(spec, x, w) + delta).astype(x.dtype)
+        if x.dtype != jnp.float32:  # remat's `dots` keeps it: it does not see dot_f32's custom-VJP matmul
+            y = checkpoint_name(y, LINEAR_OUTPUT)
     return y.reshape(lead + y.shape[1:])
 
 
@@ -156,7 +170,7 @@ class Decoder(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = c = config
-        dt = c.jnp_dtype
+        dt = c.param_jnp_dtype
         init = jax.nn.initializers.normal(0.02)
         L = c.num_layers
 
@@ -191,13 +205,13 @@ class Decoder(nnx.Module):
         return logits if cache is None else (logits, new_cache)
 
     def logits(self, h_bte):
-        """Final norm + (tied) output projection, float32 logits [..., V] of hidden states [..., E]."""
+        """Final norm + (tied) output projection, float32 logits (float32 accumulation)."""
         c = self.config
         h = rms_norm(h_bte, self.final_norm[...], c.rms_norm_eps)
         if c.tie_embeddings:  # contract with the [V, E] table as stored: no transposed copy per call
-            logits = jnp.einsum("...e,ve->...v", h, self.embed[...], preferred_element_type=jnp.float32)
+            logits = dot_f32("...e,ve->...v", h, self.embed[...].astype(h.dtype))
         else:
-            logits = jnp.einsum("...e,ev->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
+            logits = dot_f32("...e,ev->...v", h, self.lm_head[...].astype(h.dtype))
         return constrain(logits, ("batch", *("length",) * (logits.ndim - 2), "act_vocab"))
 
     def hidden(self, tokens_bt, positions_bt=None, *, cache=None, lora=None, lora_scale=1.0,
@@ -219,7 +233,8 @@ class Decoder(nnx.Module):
         B, T = tokens_bt.shape
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        x = constrain(jnp.take(self.embed[...], tokens_bt, axis=0), ("batch", "length", "act_embed"))
+        x = jnp.take(self.embed[...], tokens_bt, axis=0).astype(c.jnp_dtype)  # the residual stream
+        x = constrain(x, ("batch", "length", "act_embed"))
         if cache is None:
             impl = resolve_attention(attention_impl, T, c.jnp_dtype)
         else:
@@ -281,17 +296,29 @@ class Decoder(nnx.Module):
         return x, None
 
     def layer_list(self) -> list[dict]:
-        """Per-layer weights {name: array} sliced out of the stacked parameters (for the cached path)."""
-        stacked = {k: v[...] for k, v in self.layers.items()}
+        """Per-layer weights {name: array} sliced out of the stacked parameters (for the cached path),
+        linear maps in the compute dtype (what `linear` reads them as; norm scales as stored)."""
+        dt = self.config.jnp_dtype
+        stacked = {k: v[...].astype(dt) if k in LINEAR_AXES else v[...] for k, v in self.layers.items()}
         return [{k: v[i] for k, v in stacked.items()} for i in range(self.config.num_layers)]
 
+
+def trainable_params(model: Decoder) -> nnx.State:
+    """float32 copies of `model`'s parameters: full fine-tuning's trainable state (its master weights,
+    models/precision.py), whatever their storage dtype."""
+    return jax.tree.map(lambda x: jnp.array(x, jnp.float32), nnx.state(model, nnx.Param))
+
+
+LINEAR_OUTPUT = "linear_output"  # checkpoint name of a LoRA-adapted map's output in bfloat16
 
 # Activation rematerialisation in the backward pass: what each layer keeps from its forward pass.
 REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,  # memory ∝ layers × B·T·E; one more forward
     # keep the linear maps' outputs (q, k, v, o, gate, up, down: 9·E floats per token and layer for
     # SmolLM2); only norms, RoPE, attention and the MLP activation are recomputed
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(LINEAR_OUTPUT)),
     "none": None,  # keep everything, attention probabilities included (∝ layers × B·heads·T²)
 }
 

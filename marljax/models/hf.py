@@ -106,7 +106,7 @@ def hf_tensor_to_slot(config: ModelConfig, name: str, value: np.ndarray
         value = value.T.reshape(*ins, *outs)
     elif slot == "lm_head":
         value = value.T
-    return slot, layer, np.asarray(value, dtype=config.jnp_dtype)
+    return slot, layer, np.asarray(value, dtype=config.param_jnp_dtype)
 
 
 def slot_to_hf_tensor(config: ModelConfig, slot: str, layer: int | None, value: np.ndarray
@@ -186,7 +186,7 @@ def config_to_hf(config: ModelConfig) -> dict:
         "rope_theta": config.rope_theta, "rope_scaling": None,
         "max_position_embeddings": config.max_position,
         "tie_word_embeddings": config.tie_embeddings, "attention_bias": False,
-        "torch_dtype": config.dtype,
+        "torch_dtype": str(config.param_jnp_dtype),  # as the tensors are stored
     }
     if not qwen:
         cfg["mlp_bias"] = False

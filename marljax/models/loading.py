@@ -24,6 +24,7 @@ from marljax.models.hf import (CheckpointError, Tensor, check_shape, config_to_h
                                hf_tensor_to_slot, hf_tensors_of, read_hf_config, safetensors_tensors)
 from marljax.models.presets import HUB_IDS, PRESETS, RANDOM_PRESETS
 from marljax.models.sources import resolve_source
+from marljax.models.precision import check_dtype
 
 
 def _place(value: np.ndarray, sharding=None):
@@ -58,7 +59,7 @@ def _assemble(config: ModelConfig, tensors: dict[str, Tensor], where: str,
         by_slot.setdefault(slot, []).append((layer, name))
     for slot, entries in by_slot.items():
         variable = model.layers[slot] if entries[0][0] is not None else getattr(model, slot)
-        buf = np.empty(variable.get_value().shape, config.jnp_dtype)
+        buf = np.empty(variable.get_value().shape, config.param_jnp_dtype)
         for layer, name in entries:
             _, _, value = hf_tensor_to_slot(config, name, tensors[name].read())
             if layer is None:
@@ -70,11 +71,11 @@ def _assemble(config: ModelConfig, tensors: dict[str, Tensor], where: str,
 
 
 def load_hf(ckpt_dir: str | os.PathLike, dtype: str = "float32", preset: str | None = None,
-            shardings=None) -> Decoder:
+            shardings=None, param_dtype: str | None = None) -> Decoder:
     """A transformers checkpoint dir (config.json + safetensors) -> Decoder; with `preset`, first
     check that the dir holds that preset's architecture."""
     ckpt_dir = Path(ckpt_dir)
-    config = read_hf_config(ckpt_dir, dtype)
+    config = dataclasses.replace(read_hf_config(ckpt_dir, dtype), param_dtype=param_dtype)
     if preset is not None:
         _check_matches_preset(preset, config, ckpt_dir)
     with safetensors_tensors(ckpt_dir) as tensors:
@@ -82,10 +83,11 @@ def load_hf(ckpt_dir: str | os.PathLike, dtype: str = "float32", preset: str | N
 
 
 def load_gguf(path: str | os.PathLike, dtype: str = "float32", preset: str | None = None,
-              shardings=None) -> Decoder:
+              shardings=None, param_dtype: str | None = None) -> Decoder:
     """A llama.cpp GGUF file (Llama architecture, any quantization `gguf` dequantizes) -> Decoder;
     with `preset`, first check that the file holds that preset's architecture."""
     config, tensors = read_gguf(path, dtype)
+    config = dataclasses.replace(config, param_dtype=param_dtype)
     if preset is not None:
         _check_matches_preset(preset, config, Path(path))
     return _assemble(config, tensors, str(path), shardings=shardings)
@@ -126,7 +128,7 @@ def save_hf(model: Decoder, out_dir: str | os.PathLike, *, tokenizer=None,
 
 
 def _check_matches_preset(name: str, config: ModelConfig, where: Path) -> None:
-    preset = dataclasses.replace(PRESETS[name], dtype=config.dtype)
+    preset = dataclasses.replace(PRESETS[name], dtype=config.dtype, param_dtype=config.param_dtype)
     for f in dataclasses.fields(ModelConfig):
         if f.name != "max_position" and getattr(config, f.name) != getattr(preset, f.name):
             raise CheckpointError(
@@ -141,15 +143,17 @@ def random_model(config: ModelConfig, seed: int = 0) -> Decoder:
 
 
 def load_model(source: str | os.PathLike, dtype: str = "float32", seed: int = 0, *,
-               shardings=None) -> Decoder:
-    """A preset name, a HF checkpoint dir or a .gguf file -> Decoder (`seed`: random presets).
+               shardings=None, param_dtype: str | None = None) -> Decoder:
+    """A preset name, a HF checkpoint dir or a .gguf file -> Decoder (`seed`: random presets), computing
+    in `dtype` with its parameters stored in `param_dtype` (None: `dtype`; see models/precision.py).
     `shardings`: Variable -> Sharding (`marljax.sharding.variable_sharding`) placing each parameter
     on a device mesh as it is read."""
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype={dtype!r} is not supported; use 'float32' or 'bfloat16'.")
+    check_dtype("dtype", dtype)
+    if param_dtype is not None:
+        check_dtype("param_dtype", param_dtype)
     name = str(source)
     if name in RANDOM_PRESETS:
-        model = random_model(dataclasses.replace(PRESETS[name], dtype=dtype), seed)
+        model = random_model(dataclasses.replace(PRESETS[name], dtype=dtype, param_dtype=param_dtype), seed)
         if shardings is not None:
             for _, v in nnx.iter_graph(model):
                 if isinstance(v, nnx.Param):
@@ -157,4 +161,4 @@ def load_model(source: str | os.PathLike, dtype: str = "float32", seed: int = 0,
         return model
     path = resolve_source(source)
     preset = name if name in PRESETS else None
-    return (load_gguf if path.suffix == ".gguf" else load_hf)(path, dtype, preset, shardings)
+    return (load_gguf if path.suffix == ".gguf" else load_hf)(path, dtype, preset, shardings, param_dtype)

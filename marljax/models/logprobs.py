@@ -15,13 +15,15 @@ LOGPROB_CHUNK = 256  # response positions per chunk (R ≤ this: one pass, as wi
 
 def target_logprobs(logits_fn, h_bre, target_br, temperature: float = 1.0, chunk: int | None = None):
     """log softmax(logits_fn(h) / temperature)[target] [B, R] float32; `logits_fn` maps hidden states
-    [..., E] to float32 logits [..., V] (the decoder's `logits`); `chunk` defaults to LOGPROB_CHUNK."""
+    [..., E] (in the compute dtype) to logits [..., V] (the decoder's `logits`: float32); the tempered
+    logits and their log-sum-exp are float32 whatever the compute dtype. `chunk` defaults to
+    LOGPROB_CHUNK."""
     chunk = LOGPROB_CHUNK if chunk is None else chunk
     if chunk < 1:
         raise ValueError(f"chunk={chunk}: log-probs need at least one position per chunk.")
 
     def logprobs(h_bce, target_bc):
-        logits_bcv = logits_fn(h_bce) / temperature
+        logits_bcv = logits_fn(h_bce).astype(jnp.float32) / temperature
         target_logit_bc = jnp.take_along_axis(logits_bcv, target_bc[:, :, None], axis=-1)[:, :, 0]
         return target_logit_bc - jax.nn.logsumexp(logits_bcv, axis=-1)  # no [B, R, V] log_softmax
 
