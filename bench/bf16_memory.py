@@ -17,7 +17,7 @@ from flax import nnx
 
 from marljax.models.decoder import Decoder
 from marljax.models.presets import PRESETS
-from marljax.rl.lora import LoRAConfig, init_lora
+from marljax.models.lora import LoRAConfig, init_lora
 from marljax.rl.step import RoleBatch, StepConfig, Trainer, make_optimizer
 
 MIB = 2 ** 20

@@ -32,7 +32,7 @@ from marljax.models.precision import dot_f32
 from marljax.config import Config, ConfigError, resolve
 from marljax.models.loading import load_model, random_model
 from marljax.models.presets import PRESETS
-from marljax.rl.lora import LoRAConfig, init_lora
+from marljax.models.lora import LoRAConfig, init_lora
 from marljax.rl.step import RoleBatch, Sample, StepConfig, Trainer, make_optimizer, pack
 from marljax.sampling import SamplingParams, generate, layer_weights
 
@@ -76,11 +76,10 @@ def _trainer(model: Decoder) -> Trainer:
 
 
 def _loss_grad(trainer: Trainer, ad: dict, batch: RoleBatch):
-    """GRPO (PPO-clip, on-policy) loss gradient w.r.t. the adapter, and the step's metrics."""
+    """GRPO (PPO-clip, on-policy) loss gradient w.r.t. the adapter, and the sampler-vs-trainer `logp_gap`."""
     fn = jax.value_and_grad(trainer.role_loss, has_aux=True)
-    (_, (_, metrics)), g = jax.jit(lambda base, a, b: fn(a, b, ROLE, False, base))(trainer.base_state, ad,
-                                                                                   batch)
-    return g, metrics
+    (_, (_, _, gap)), g = jax.jit(lambda base, a, b: fn(a, b, ROLE, False, base))(trainer.base_state, ad, batch)
+    return g, gap
 
 
 def measure(model: Decoder, prompts: list[list[int]], new: int = 24) -> dict[str, float]:
@@ -89,18 +88,18 @@ def measure(model: Decoder, prompts: list[list[int]], new: int = 24) -> dict[str
     ad = adapter(model.config)
     batch = pack(rollout(model, ad, prompts, new))
     fwd = jax.jit(lambda m, x, a: m(x, lora=a, lora_scale=LORA.scale))
-    real_nt = np.arange(batch.tokens_nt.shape[1]) < np.asarray(batch.prompt_len_n)[:, None] + \
-        np.asarray(batch.resp_mask_nr).sum(1)[:, None]
-    real_nt &= np.asarray(batch.resp_mask_nr).sum(1)[:, None] > 0
-    z32 = np.asarray(fwd(model, batch.tokens_nt, ad))[real_nt]
-    z16 = np.asarray(fwd(bf, batch.tokens_nt, ad))[real_nt]
+    real_bt = np.arange(batch.tokens_bt.shape[1]) < np.asarray(batch.prompt_len_b)[:, None] + \
+        np.asarray(batch.resp_mask_br).sum(1)[:, None]
+    real_bt &= np.asarray(batch.resp_mask_br).sum(1)[:, None] > 0
+    z32 = np.asarray(fwd(model, batch.tokens_bt, ad))[real_bt]
+    z16 = np.asarray(fwd(bf, batch.tokens_bt, ad))[real_bt]
     out = {"logit_rms": float(np.sqrt(np.mean(z32 ** 2))), "logit_max": float(np.abs(z32).max()),
            "logit_max_err": float(np.abs(z16 - z32).max()),
            "logit_rms_err": float(np.sqrt(np.mean((z16 - z32) ** 2)))}
     out["logit_rel_err"] = out["logit_max_err"] / out["logit_rms"]
 
     t32, t16 = _trainer(model), _trainer(bf)
-    mask = np.asarray(batch.resp_mask_nr) > 0
+    mask = np.asarray(batch.resp_mask_br) > 0
     lp32 = np.asarray(t32.logprobs({"s": ad}, {ROLE: batch})[ROLE])[mask]
     lp16 = np.asarray(t16.logprobs({"s": ad}, {ROLE: batch})[ROLE])[mask]
     out["logp_abs_mean"], out["logp_abs_max"] = float(np.abs(lp32).mean()), float(np.abs(lp32).max())
