@@ -156,6 +156,9 @@ class Scheduler:
             slot = free_slots.pop(0)
             self.slots[slot] = seq
             adm.members.append((slot, seq))
+        if self.waiting and not adm.members and not self.running:
+            raise RuntimeError(f"request {self.waiting[0]} cannot be admitted: the pool's {self.pool.free} free "
+                               "pages are held by prompts whose other rollouts wait; give the engine more pages.")
         return adm
 
     def started(self, members: list[tuple[int, Sequence]], tok, logp, stops: set[int]) -> None:
