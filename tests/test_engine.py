@@ -63,19 +63,21 @@ def test_greedy_equals_static_sampler_with_few_slots(model):
     assert 0 < engine.stats.peak_kv_bytes < engine.stats.pool_bytes
 
 
-def _teacher_forced_logprobs(model, prompt, generated, temperature):
-    logits = np.asarray(model(jnp.asarray([prompt + generated]))[0], np.float64) / temperature
-    top = logits.max(-1, keepdims=True)
-    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
-    return np.array([logp[len(prompt) - 1 + i, t] for i, t in enumerate(generated)])
-
-
 def test_sampled_logprobs_equal_teacher_forced_pass(model):
+    """Logprobs of the tempered distribution, against one causal pass over prompt + sample (float64)."""
     out = Engine(model, num_slots=4, page_size=4, chunk_steps=8).generate(
         PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.7, seed=1))
-    for p, toks, lps in zip(PROMPTS, out.tokens, out.logprobs):
+    seqs = [p + t for p, t in zip(PROMPTS, out.tokens)]
+    padded = np.zeros((len(seqs), max(map(len, seqs))), np.int32)  # right padding: causal, never seen
+    for i, s in enumerate(seqs):
+        padded[i, : len(s)] = s
+    logits = np.asarray(model(jnp.asarray(padded)), np.float64) / 0.7
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    for i, (p, toks, lps) in enumerate(zip(PROMPTS, out.tokens, out.logprobs)):
         assert len(toks) == 12
-        np.testing.assert_allclose(lps, _teacher_forced_logprobs(model, p, toks, 0.7), atol=1e-4)
+        want = [logp[i, len(p) - 1 + j, t] for j, t in enumerate(toks)]
+        np.testing.assert_allclose(lps, want, atol=1e-4)
 
 
 def test_sampling_is_per_request_reproducible_and_batch_invariant(model):
@@ -135,3 +137,27 @@ def test_page_pool_refcounts():
         pool.alloc(5)
     with pytest.raises(RuntimeError, match="not allocated"):
         pool.release([1])
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_equals_static_sampler(smollm2_gguf):
+    """The real SmolLM2-135M: 5 chat prompts of varied lengths, 2 rollouts each, through 4 slots; greedy
+    tokens equal `marljax.sampling.generate`'s, logprobs within 1e-5; each prompt prefilled once."""
+    from marljax.models import ChatCodec, load_model, load_tokenizer
+    from marljax.sampling import layer_weights
+    model = load_model("smollm2-135m-instruct")
+    codec = ChatCodec(load_tokenizer("smollm2-135m-instruct"))
+    questions = ["What is 12 + 35?", "Name three colors.", "Write a haiku about rain.",
+                 "What is the capital of France? Answer in one word.",
+                 "Janet has 3 apples and buys 4 more, then gives half of them away. How many are left?"]
+    prompts = [codec.render([{"role": "user", "content": q}]) for q in questions for _ in range(2)]
+    sp = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=codec.stop_token_ids)
+    layers = layer_weights(model)
+    ref = generate(model, prompts, sp, layers=layers)
+    engine = Engine(model, num_slots=4, chunk_steps=8)
+    out = engine.generate(prompts, sp, layers=layers)
+    assert out.tokens == ref.tokens and out.finished == ref.finished
+    assert len({len(t) for t in out.tokens}) > 1
+    for a, b in zip(out.logprobs, ref.logprobs):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert engine.stats.prefill_tokens == sum(map(len, prompts[::2]))

@@ -5,11 +5,13 @@
 if hit, their logprobs under the tempered distribution they were drawn from, and whether a stop hit).
 The host loop: admit waiting requests into free slots (`Scheduler.admit`), prefill the new prompts into
 their pages (once per distinct prompt when prefixes are shared), draw each newcomer's first token, then
-run one jitted chunk of `chunk_steps` decode steps over all slots; repeat until every request is done.
+run one jitted chunk of `chunk_steps` decode steps over the running sequences; repeat until every
+request is done.
 
-Shapes are static per call and bucketed: prefill rows and prompt length to powers of two, the decode
-page-table width to a power of two of pages (so attention reads the pages in flight, rounded up), and
-the slot count is fixed; a run compiles a handful of times.
+Shapes are static per chunk and bucketed to powers of two: prefill rows and prompt length, the decode
+rows (the running sequences, at most `num_slots`: the tail of a call runs at a small batch) and the
+page-table width in pages (attention reads the pages in flight, rounded up); a run compiles a handful
+of times.
 
 Randomness is per request, not per batch: request i of a call draws its t-th token with
 fold_in(fold_in(key(seed), i), t), whatever else is in flight, so outputs do not depend on the slot
@@ -41,7 +43,7 @@ class EngineStats:
     prefill_tokens: int = 0  # real prompt tokens prefilled (a shared prompt counts once)
     prefill_calls: int = 0
     decode_chunks: int = 0
-    decode_steps: int = 0  # slot-steps run, idle slots included (num_slots per step)
+    decode_steps: int = 0  # row-steps run (a chunk's rows: the running sequences rounded up)
     generated_tokens: int = 0
     peak_pages: int = 0  # most pages in use at once (the tokens in flight)
     peak_kv_bytes: int = 0  # peak_pages × bytes of a page across layers
@@ -115,13 +117,14 @@ class Engine:
             if not sched.running:
                 continue
             width = bucket(sched.grow(self.chunk_steps))
-            b = sched.batch(width)
+            rows = min(bucket(len(sched.running)), self.num_slots)
+            b = sched.batch(rows, width)
             pages, out = _decode_chunk(self.graphdef, self.state, layers, pages, b["page_table"], b["token"],
                                        b["pos"], b["n_gen"], b["live"], keys_nk[b["request"]],
                                        jnp.int32(max_new), steps=self.chunk_steps, stops=stops, **sampling)
             out = jax.tree.map(np.asarray, out)
             stats.decode_chunks += 1
-            stats.decode_steps += int(out["steps"]) * self.num_slots
+            stats.decode_steps += int(out["steps"]) * rows
             sched.advance(out["tok"], out["logp"], out["n_gen"], out["token"], out["pos"], out["hit"], out["done"])
         self._pages = pages
         stats.prefill_tokens = sched.prefill_tokens

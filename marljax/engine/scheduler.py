@@ -188,26 +188,28 @@ class Scheduler:
             widest = max(widest, len(q.pages))
         return widest
 
-    def batch(self, width: int) -> dict[str, np.ndarray]:
-        """The slots as arrays for a decode chunk: page tables [S, width] (null-padded), next input token,
-        its position, tokens generated so far, request id (its RNG stream) and liveness, per slot."""
-        S = len(self.slots)
-        out = {"page_table": np.full((S, width), NULL_PAGE, np.int32), "token": np.zeros(S, np.int32),
-               "pos": np.zeros(S, np.int32), "n_gen": np.zeros(S, np.int32), "request": np.zeros(S, np.int32),
-               "live": np.zeros(S, bool)}
-        for s, q in self.running:
-            out["page_table"][s, : len(q.pages)] = q.pages
-            out["token"][s], out["pos"][s], out["n_gen"][s] = q.token, q.pos, q.n_gen
-            out["request"][s], out["live"][s] = q.request, True
+    def batch(self, rows: int, width: int) -> dict[str, np.ndarray]:
+        """The running sequences, in slot order, as the first of `rows` rows for a decode chunk (the rest
+        idle): page tables [rows, width] (null-padded), next input token, its position, tokens generated
+        so far, request id (its RNG stream) and liveness. Rows, not slots: a chunk computes only as many
+        rows as are running (rounded up by the engine), so the tail of a call runs at a small batch."""
+        out = {"page_table": np.full((rows, width), NULL_PAGE, np.int32), "token": np.zeros(rows, np.int32),
+               "pos": np.zeros(rows, np.int32), "n_gen": np.zeros(rows, np.int32),
+               "request": np.zeros(rows, np.int32), "live": np.zeros(rows, bool)}
+        for r, (_, q) in enumerate(self.running):
+            out["page_table"][r, : len(q.pages)] = q.pages
+            out["token"][r], out["pos"][r], out["n_gen"][r] = q.token, q.pos, q.n_gen
+            out["request"][r], out["live"][r] = q.request, True
         return out
 
-    def advance(self, tok_sk, logp_sk, n_gen_s, token_s, pos_s, hit_s, done_s) -> None:
-        """Take a decode chunk's results; finished sequences free their slots and pages."""
-        for s, q in self.running:
-            new = int(n_gen_s[s]) - q.n_gen
-            self.tokens[q.request] += tok_sk[s, :new].tolist()
-            self.logprobs[q.request] += logp_sk[s, :new].tolist()
-            q.n_gen, q.token, q.pos = int(n_gen_s[s]), int(token_s[s]), int(pos_s[s])
-            self.hit[q.request] = bool(hit_s[s])
-            if done_s[s]:
+    def advance(self, tok_rk, logp_rk, n_gen_r, token_r, pos_r, hit_r, done_r) -> None:
+        """Take a decode chunk's results (rows as `batch` laid them out); finished sequences free their
+        slots and pages."""
+        for r, (s, q) in enumerate(self.running):
+            new = int(n_gen_r[r]) - q.n_gen
+            self.tokens[q.request] += tok_rk[r, :new].tolist()
+            self.logprobs[q.request] += logp_rk[r, :new].tolist()
+            q.n_gen, q.token, q.pos = int(n_gen_r[r]), int(token_r[r]), int(pos_r[r])
+            self.hit[q.request] = bool(hit_r[r])
+            if done_r[r]:
                 self._finish(s)
