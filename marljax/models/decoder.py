@@ -215,7 +215,8 @@ class Decoder(nnx.Module):
         return constrain(logits, ("batch", *("length",) * (logits.ndim - 2), "act_vocab"))
 
     def hidden(self, tokens_bt, positions_bt=None, *, cache=None, lora=None, lora_scale=1.0,
-               kv_mask_bs=None, remat: str = "none", layers=None, attention_impl: str = "auto"):
+               kv_mask_bs=None, remat: str = "none", layers=None, attention_impl: str = "auto",
+               cache_attention=None):
         """Last hidden states [B, T, E] (before the final norm) and the updated cache (or None).
 
         Without a cache, the stacked layers run under `lax.scan` and attention is causal over the T
@@ -227,7 +228,9 @@ class Decoder(nnx.Module):
         absolute position, so right-padded prompts need no extra mask). The cached path runs the
         layers as a Python loop over per-layer weights: a scan would copy each layer's weight and
         cache slices out of the stacked arrays on every step. Pass `layers=self.layer_list()`, made
-        once outside a decode loop, to read those weights in place.
+        once outside a decode loop, to read those weights in place. `cache_attention(q, k, v, kv,
+        positions_bt) -> (attn, new_kv)` replaces the cache write and attention for another cache
+        layout (the rollout engine's KV pages, `marljax.engine.paged_attention`).
         """
         c = self.config
         B, T = tokens_bt.shape
@@ -237,7 +240,7 @@ class Decoder(nnx.Module):
         x = constrain(x, ("batch", "length", "act_embed"))
         if cache is None:
             impl = resolve_attention(attention_impl, T, c.jnp_dtype)
-        else:
+        elif cache_attention is None:
             S = cache[0]["k"].shape[2]
             key_pos_bs = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
             mask_bts = key_pos_bs[:, None, :] <= positions_bt[:, :, None]
@@ -256,6 +259,8 @@ class Decoder(nnx.Module):
             q, k = rope(q, *rot), rope(k, *rot)
             if kv is None:
                 attn = causal_attention(q, k, v, positions_bt, kv_mask_bs, impl)
+            elif cache_attention is not None:
+                attn, kv = cache_attention(q, k, v, kv, positions_bt)
             else:  # scatter the new tokens into this layer's cache (in place under jit)
                 rows_bt = jnp.broadcast_to(jnp.arange(B)[:, None], positions_bt.shape)
                 kv = {"k": kv["k"].at[rows_bt, :, positions_bt].set(k.astype(kv["k"].dtype)),

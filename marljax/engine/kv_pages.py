@@ -1,0 +1,92 @@
+"""The KV page pool: fixed-size pages of keys and values for every layer, and the host-side allocator.
+
+A sequence's KV lives in pages of `page_size` positions; its page table lists them in order, so position
+p is at offset p % page_size of page table[p // page_size]. Page 0 is the null page: never handed out,
+it absorbs the writes of padded rows and positions (page tables are filled with 0 past a sequence's
+pages) and is never read for a real position. Pages are refcounted: a prompt's full pages can be shared
+by every sequence that continues that prompt (`marljax.engine.scheduler`).
+
+Device layout, per layer: {"k": [pages, page_size, kv_heads, head_dim], "v": same}: a gather of a page
+table [B, W] reads [B, W·page_size, kv_heads, head_dim] keys with no transpose of the pool.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from marljax.models.decoder import ModelConfig
+
+NULL_PAGE = 0
+
+
+def init_pages(config: ModelConfig, num_pages: int, page_size: int, dtype=None) -> list[dict]:
+    """Zeroed page pool for every layer (see the module docstring for the layout)."""
+    dt = dtype or config.jnp_dtype
+    shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
+    return [{"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)} for _ in range(config.num_layers)]
+
+
+def page_bytes(config: ModelConfig, page_size: int, dtype=None) -> int:
+    """Bytes of one page across all layers, keys and values."""
+    itemsize = jnp.dtype(dtype or config.jnp_dtype).itemsize
+    return 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * itemsize
+
+
+def pages_for(positions: int, page_size: int) -> int:
+    """Pages that hold positions 0 … positions − 1."""
+    return -(-positions // page_size)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def copy_pages(pages: list[dict], src, dst) -> list[dict]:
+    """Copy page src[i] onto page dst[i] in every layer (in place: the pool is donated)."""
+    return [{name: a.at[dst].set(a[src]) for name, a in layer.items()} for layer in pages]
+
+
+class PagePool:
+    """Host-side allocator over pages 1 … num_pages − 1 with reference counts; tracks the peak in use."""
+
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError(f"num_pages={num_pages}: the pool needs the null page and at least one more.")
+        self.num_pages = num_pages
+        self.refs = [0] * num_pages
+        self.free_list = list(range(num_pages - 1, NULL_PAGE, -1))  # pops the lowest page first
+        self.peak_in_use = 0
+
+    @property
+    def free(self) -> int:
+        return len(self.free_list)
+
+    @property
+    def in_use(self) -> int:
+        return self.num_pages - 1 - len(self.free_list)
+
+    def alloc(self, n: int) -> list[int]:
+        """n fresh pages (reference count 1); RuntimeError when fewer are free (the scheduler reserves
+        pages before it admits a sequence, so this is a bug, not a full pool)."""
+        if n > len(self.free_list):
+            raise RuntimeError(f"page pool exhausted: {n} pages asked, {len(self.free_list)} free.")
+        out = [self.free_list.pop() for _ in range(n)]
+        for p in out:
+            self.refs[p] = 1
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return out
+
+    def retain(self, pages: list[int]) -> None:
+        """One more reference to each page (a sequence sharing them)."""
+        for p in pages:
+            if self.refs[p] <= 0:
+                raise RuntimeError(f"retain of page {p}, which is not allocated.")
+            self.refs[p] += 1
+
+    def release(self, pages: list[int]) -> None:
+        """Drop one reference to each page; a page with none left returns to the free list."""
+        for p in pages:
+            if self.refs[p] <= 0:
+                raise RuntimeError(f"release of page {p}, which is not allocated.")
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.free_list.append(p)

@@ -1,0 +1,165 @@
+"""Rollout engine: paged attention equals the dense cache's, greedy output equals the static sampler's with
+fewer slots than prompts, logprobs match a teacher-forced pass, sampling is per-request (independent of
+slots, chunking and the other prompts), identical prompts are prefilled once, pages all come back."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from marljax.engine import Engine
+from marljax.engine.kv_pages import PagePool
+from marljax.engine.paged_attention import paged_attention, write_pages
+from marljax.models.attention import attention
+from marljax.models.decoder import Decoder, ModelConfig
+from marljax.sampling import SamplingParams, generate
+
+CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=16, rope_theta=10_000.0, tie_embeddings=False)
+PROMPTS = [[5, 6, 7], list(range(10, 45)), [9], [3, 1, 4, 1, 5, 9, 2, 6], [8] * 20, [5, 6, 7]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = Decoder(CFG, rngs=nnx.Rngs(0))
+    m.lm_head[...] = m.lm_head[...] * 15.0  # clear greedy margins, as tests/test_sampling.py
+    return m
+
+
+def test_paged_attention_equals_dense_cache_attention():
+    """Keys and values written through scattered page tables and read back by gather give the dense
+    cache's attention (same float32 softmax) for queries at varied positions."""
+    B, T, H, K, Dh, ps, W = 3, 5, 4, 2, 8, 4, 4
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (B, T, H, Dh))
+    k, v = (jax.random.normal(kk, (B, W * ps, K, Dh)) for kk in ks[1:3])
+    table = np.asarray(jax.random.permutation(ks[3], 1 + np.arange(B * W))).reshape(B, W).astype(np.int32)
+    pos_all = np.broadcast_to(np.arange(W * ps, dtype=np.int32), (B, W * ps))
+    pages_k = write_pages(jnp.zeros((1 + B * W, ps, K, Dh)), k, table, pos_all)
+    pages_v = write_pages(jnp.zeros((1 + B * W, ps, K, Dh)), v, table, pos_all)
+    positions = np.asarray([[0, 3, 4, 9, 15], [2, 2, 7, 8, 11], [15, 14, 1, 5, 6]], np.int32)
+    got = paged_attention(q, pages_k, pages_v, table, positions)
+    mask = np.arange(W * ps)[None, None, :] <= positions[:, :, None]
+    want = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1), mask, "cache")
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert not np.allclose(got[:, 0], got[:, 1])  # positions matter
+
+
+def test_greedy_equals_static_sampler_with_few_slots(model):
+    """3 slots for 6 prompts (finished sequences hand their slot to waiting ones), pages of 4 positions,
+    chunks of 8 steps, and a stop token that ends some sequences early: the tokens, stops and logprobs
+    of `marljax.sampling.generate`."""
+    free = generate(model, PROMPTS, SamplingParams(max_new_tokens=30, temperature=0.0))
+    stop = free.tokens[1][4]
+    sp = SamplingParams(max_new_tokens=30, temperature=0.0, stop_token_ids=(stop,))
+    ref = generate(model, PROMPTS, sp)
+    engine = Engine(model, num_slots=3, page_size=4, chunk_steps=8)
+    out = engine.generate(PROMPTS, sp)
+    assert out.tokens == ref.tokens and out.finished == ref.finished
+    assert len({len(t) for t in out.tokens}) > 1 and any(out.finished)  # varied lengths
+    for a, b in zip(out.logprobs, ref.logprobs):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    # peak pages: what was in flight, under the worst-case sizing the pool got
+    assert 0 < engine.stats.peak_kv_bytes < engine.stats.pool_bytes
+
+
+def test_sampled_logprobs_equal_teacher_forced_pass(model):
+    """Logprobs of the tempered distribution, against one causal pass over prompt + sample (float64)."""
+    out = Engine(model, num_slots=4, page_size=4, chunk_steps=8).generate(
+        PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.7, seed=1))
+    seqs = [p + t for p, t in zip(PROMPTS, out.tokens)]
+    padded = np.zeros((len(seqs), max(map(len, seqs))), np.int32)  # right padding: causal, never seen
+    for i, s in enumerate(seqs):
+        padded[i, : len(s)] = s
+    logits = np.asarray(model(jnp.asarray(padded)), np.float64) / 0.7
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    for i, (p, toks, lps) in enumerate(zip(PROMPTS, out.tokens, out.logprobs)):
+        assert len(toks) == 12
+        want = [logp[i, len(p) - 1 + j, t] for j, t in enumerate(toks)]
+        np.testing.assert_allclose(lps, want, atol=1e-4)
+
+
+def test_sampling_is_per_request_reproducible_and_batch_invariant(model):
+    """Request i's tokens depend on (seed, i) only: not on the slot count, the chunk length, page size
+    or which other prompts are in flight; another seed changes them."""
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, top_k=20, seed=7)
+    a = Engine(model, num_slots=4, page_size=4, chunk_steps=8).generate(PROMPTS, sp)
+    assert Engine(model, num_slots=4, page_size=4, chunk_steps=8).generate(PROMPTS, sp).tokens == a.tokens
+    b = Engine(model, num_slots=2, page_size=8, chunk_steps=5).generate(PROMPTS + [[1, 2], [40] * 9], sp)
+    assert b.tokens[: len(PROMPTS)] == a.tokens
+    np.testing.assert_allclose(np.concatenate(b.logprobs[: len(PROMPTS)]), np.concatenate(a.logprobs), atol=1e-5)
+    c = Engine(model, num_slots=4, page_size=4, chunk_steps=8).generate(
+        PROMPTS, SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, top_k=20, seed=8))
+    assert c.tokens != a.tokens
+    assert a.tokens[0] != a.tokens[5]  # the same prompt at two indices draws two streams
+
+
+def test_identical_prompts_are_prefilled_once(model):
+    """A GRPO group: 8 rollouts of one prompt (2 full pages + a partial one) are prefilled once and share
+    the full pages; the samples equal those of the unshared engine (same per-request streams); greedy,
+    all 8 equal the static sampler's."""
+    group = [list(range(20, 31))] * 8 + [[3, 1, 4]] * 2
+    sp = SamplingParams(max_new_tokens=10, temperature=1.0, seed=3)
+    shared = Engine(model, num_slots=10, page_size=4, chunk_steps=8)
+    alone = Engine(model, num_slots=10, page_size=4, chunk_steps=8, share_prefixes=False)
+    a, b = shared.generate(group, sp), alone.generate(group, sp)
+    assert shared.stats.prefill_tokens == 11 + 3 and alone.stats.prefill_tokens == 8 * 11 + 2 * 3
+    assert a.tokens == b.tokens and len(set(map(tuple, a.tokens[:8]))) > 1
+    np.testing.assert_allclose(np.concatenate(a.logprobs), np.concatenate(b.logprobs), atol=1e-5)
+    assert shared.stats.peak_pages < alone.stats.peak_pages  # 2 full pages × 7 + 1 × 1 not duplicated
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+    assert shared.generate(group, greedy).tokens == generate(model, group, greedy).tokens
+
+
+def test_small_pool_makes_requests_wait_and_returns_every_page(model):
+    """A pool that holds two sequences' worst case at a time: the rest wait for pages, outputs are
+    unchanged; a prompt that cannot fit even alone is refused."""
+    sp = SamplingParams(max_new_tokens=16, temperature=0.0)
+    ref = generate(model, PROMPTS, sp)
+    engine = Engine(model, num_slots=4, page_size=4, chunk_steps=8, num_pages=1 + 2 * 13)
+    assert engine.generate(PROMPTS, sp).tokens == ref.tokens
+    assert engine.stats.peak_pages <= 26
+    with pytest.raises(ValueError, match="pages"):
+        Engine(model, num_slots=4, page_size=4, num_pages=8).generate([list(range(40))], sp)
+
+
+def test_page_pool_refcounts():
+    pool = PagePool(5)
+    a = pool.alloc(2)
+    assert 0 not in a and pool.free == 2
+    pool.retain(a)
+    pool.release(a)
+    assert pool.free == 2
+    pool.release(a)
+    assert pool.free == 4 and pool.peak_in_use == 2
+    with pytest.raises(RuntimeError, match="exhausted"):
+        pool.alloc(5)
+    with pytest.raises(RuntimeError, match="not allocated"):
+        pool.release([1])
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_equals_static_sampler(smollm2_gguf):
+    """The real SmolLM2-135M: 5 chat prompts of varied lengths, 2 rollouts each, through 4 slots; greedy
+    tokens equal `marljax.sampling.generate`'s, logprobs within 5e-5 (the float32 noise of 30 layers: the
+    static sampler itself gives these prompts logprobs 3.4e-5 apart alone vs in a batch of 10); each
+    prompt prefilled once."""
+    from marljax.models import ChatCodec, load_model, load_tokenizer
+    from marljax.sampling import layer_weights
+    model = load_model("smollm2-135m-instruct")
+    codec = ChatCodec(load_tokenizer("smollm2-135m-instruct"))
+    questions = ["What is 12 + 35?", "Name three colors.", "Write a haiku about rain.",
+                 "What is the capital of France? Answer in one word.",
+                 "Janet has 3 apples and buys 4 more, then gives half of them away. How many are left?"]
+    prompts = [codec.render([{"role": "user", "content": q}]) for q in questions for _ in range(2)]
+    sp = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=codec.stop_token_ids)
+    layers = layer_weights(model)
+    ref = generate(model, prompts, sp, layers=layers)
+    engine = Engine(model, num_slots=4, chunk_steps=8)
+    out = engine.generate(prompts, sp, layers=layers)
+    assert out.tokens == ref.tokens and out.finished == ref.finished
+    assert len({len(t) for t in out.tokens}) > 1
+    for a, b in zip(out.logprobs, ref.logprobs):
+        np.testing.assert_allclose(a, b, atol=5e-5)
+    assert engine.stats.prefill_tokens == sum(map(len, prompts[::2]))
