@@ -10,13 +10,15 @@ separate the steps; `bench/peak_rss.py` measures a command's peak). Measurements
 
 `retain()` must run before jax is imported (jaxlib's threads pick their arena at their first `malloc`),
 so importing marljax calls it. `MARLJAX_HOST_MALLOC`: `auto` (default) keeps memory unless a TPU or GPU
-plugin for jax is installed (and `JAX_PLATFORMS` is not `cpu`), where temp buffers live on the device and
+plugin for jax is installed (and `JAX_PLATFORMS` is not `cpu`; libtpu only counts on a host with a TPU
+device, since it is also installed on CPU machines to compile for TPU topologies), where temp buffers live on the device and
 one arena for a large host's many threads would only add contention; `retain` always keeps it; `system`
 leaves malloc alone (use it where resident memory matters more than step time). Non-glibc: nothing done.
 """
 from __future__ import annotations
 
 import ctypes
+import glob
 import importlib.util
 import os
 import platform
@@ -36,7 +38,13 @@ def _accelerator_plugin() -> str | None:
     """The installed accelerator plugin jax would pick, or None (none, or JAX_PLATFORMS asks for cpu)."""
     if os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip() == "cpu":
         return None
-    return next((m for m in _ACCELERATOR_PLUGINS if importlib.util.find_spec(m) is not None), None)
+    return next((m for m in _ACCELERATOR_PLUGINS if importlib.util.find_spec(m) is not None
+                 and (m != "libtpu" or _tpu_device())), None)
+
+
+def _tpu_device() -> bool:
+    """A TPU chip on this host: TPU VMs expose them as /dev/accel* (v4, v5e) or /dev/vfio/<n> (v5p, v6e)."""
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 def retain() -> str:

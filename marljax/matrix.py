@@ -4,6 +4,8 @@ step-time estimate for an accelerator, the mesh each cell would use, and a plan 
     python -m marljax.matrix --dry-run [--accelerator v5e-8|v4-8|h100|h200|cpu] [--slices K]
     python -m marljax.matrix [--accelerator …] [--out DIR]          # DIR/<cell>.yaml + DIR/plan.md
     python -m marljax.matrix --cell voting-math-qwen3-1.7b-isolated --out DIR   # prints the YAML path
+    python -m marljax.matrix --aot v5e-8 [--cell NAME …]   # compile each cell's train step for a TPU
+                                                          # topology (needs libtpu; `marljax.aot`)
 
 42 cells: {eval_opt, voting, orch_workers} × {math, code} × {qwen3-0.6b, 1.7b, 4b} × {shared,
 isolated}, plus single-agent × {math, code} × the three models. Hyperparameters are SPEC §1's: the
@@ -86,6 +88,8 @@ class Accelerator:
 ACCELERATORS = {
     "v5e-8": Accelerator("v5e-8", 8, 16, 197, 819, 200),
     "v4-8": Accelerator("v4-8", 4, 32, 275, 1228, 300),  # 4 chips (8 TensorCores)
+    "v6e-8": Accelerator("v6e-8", 8, 32, 918, 1640, 448),
+    "v5p-8": Accelerator("v5p-8", 4, 95, 459, 2765, 600),  # 4 chips (8 TensorCores)
     "h100": Accelerator("h100", 8, 80, 989, 3350, 450),
     "h200": Accelerator("h200", 8, 141, 989, 4800, 450),
     # this project's shared 2-core CPU box, as `python bench/roofline.py --samples 10` measured it on
@@ -389,19 +393,32 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dry-run", action="store_true", help="print the table (one row per cell); write nothing")
     ap.add_argument("--accelerator", default="v5e-8", choices=sorted(ACCELERATORS))
     ap.add_argument("--out", default="runs/matrix", help="where the cell configs and plan.md go")
-    ap.add_argument("--cell", help="only this cell: write its config and print the file's path")
+    ap.add_argument("--cell", nargs="+", help="only these cells (one: write its config and print the file's "
+                    "path)")
+    ap.add_argument("--aot", metavar="TOPOLOGY", help="compile each cell's train step for a TPU topology "
+                    "(v5e-8, v6e-8, v5p-8) and print its per-chip memory, FLOPs and roofline time; exits 1 if "
+                    "a cell does not fit (marljax/aot.py)")
+    ap.add_argument("--aot-rows", type=int, default=1, help="--aot: rows of the longest sample per chip")
+    ap.add_argument("--aot-attention", default="splash", help="--aot: rl.attention (splash, dense, …)")
+    ap.add_argument("--aot-logprob-chunk", type=int, help="--aot: response positions per log-prob chunk "
+                    "(default: the trainer's)")
     ap.add_argument("--slices", type=int, default=1, help="slices (or hosts) running cells in parallel")
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--data-root", default="data", help="directory holding dapo-math-17k/ and deepcoder/")
     args = ap.parse_args(argv)
     if args.slices < 1:
         ap.error("--slices must be ≥ 1")
-    acc = ACCELERATORS[args.accelerator]
     chosen = cells()
     if args.cell:
-        chosen = [c for c in chosen if c.name == args.cell]
-        if not chosen:
-            ap.error(f"unknown cell {args.cell!r}; `python -m marljax.matrix --dry-run` lists them.")
+        unknown = sorted(set(args.cell) - {c.name for c in chosen})
+        if unknown:
+            ap.error(f"unknown cell(s) {unknown}; `python -m marljax.matrix --dry-run` lists them.")
+        chosen = [c for c in chosen if c.name in args.cell]
+    if args.aot:
+        sys.exit(_aot(chosen, args))
+    if args.cell and len(args.cell) > 1 and not args.dry_run:
+        ap.error("writing configs takes one --cell (or none for all)")
+    acc = ACCELERATORS[args.accelerator]
     estimates = [estimate(c, acc, args.steps) for c in chosen]
     if args.dry_run:
         print(table(estimates, acc, args.slices))
@@ -417,6 +434,21 @@ def main(argv: list[str] | None = None) -> None:
     if not args.cell:
         (out / "plan.md").write_text("```\n" + table(estimates, acc, args.slices) + "\n```\n")
         print(f"{len(estimates)} configs and plan.md in {out}", file=sys.stderr)
+
+
+def _aot(chosen: list[Cell], args) -> int:
+    """Compile every chosen cell for the topology, printing rows as they come; 1 if one does not fit."""
+    from marljax import aot
+    results = []
+    for i, c in enumerate(chosen):
+        results.append(aot.compile_cell(c, args.aot, rows_per_chip=args.aot_rows, attention=args.aot_attention,
+                                        logprob_chunk=args.aot_logprob_chunk))
+        lines = aot.table(results[-1:]).splitlines()
+        print("\n".join(lines if i == 0 else lines[-1:]), flush=True)
+    bad = [r.cell for r in results if not r.fits]
+    print(f"# {len(results) - len(bad)} of {len(results)} cells fit on {args.aot}"
+          + (f"; not: {', '.join(bad)}" if bad else ""), flush=True)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ class StepConfig:
     minibatch_size: int = 512
     remat: str = "full"  # decoder.REMAT: full | dots | none
     attention: str = "auto"  # models.attention.ATTENTIONS: auto | dense | blockwise | cudnn | splash
+    logprob_chunk: int | None = None  # response positions per log-prob chunk (None: LOGPROB_CHUNK)
 
     def __post_init__(self):
         if self.role_weighting not in ROLE_WEIGHTINGS:
@@ -173,7 +174,7 @@ class Trainer:
         idx_nr = jnp.minimum(batch.prompt_len_n[:, None] - 1 + jnp.arange(R), T - 2)
         h_nrd = jnp.take_along_axis(h_ntd, idx_nr[:, :, None], axis=1)
         target_nr = jnp.take_along_axis(batch.tokens_nt, idx_nr + 1, axis=1)
-        return target_logprobs(model.logits, h_nrd, target_nr, cfg.logprob_temperature)
+        return target_logprobs(model.logits, h_nrd, target_nr, cfg.logprob_temperature, cfg.logprob_chunk)
 
     def _all_logprobs(self, base, params, batches: dict[str, RoleBatch]):
         return {r: self.response_logprobs(params[self.cfg.set_of(r)], b, base=base)
