@@ -55,6 +55,8 @@ class Compiled:
     peak_flops: float  # per chip, FLOP/s
     hbm_bandwidth: float  # bytes/s
     compile_s: float
+    model_arguments: float = 0.0  # marljax.matrix's memory model of the same step: base + LoRA + Adam
+    model_temp: float = 0.0  # … and per-role gradients + train activations
     oom: str = ""  # XLA's out-of-memory message when the program does not fit
 
     @property
@@ -285,8 +287,12 @@ def compile_cell(cell, accelerator: str, *, rows_per_chip: int = 1, attention: s
     else:
         mem_terms, accessed = (0, 0, 0, _oom_bytes(oom)), 0.0
     flops = traced_flops(traced.jaxpr) / (data * fsdp * tensor)
-    return Compiled(cell=cell.name, accelerator=accelerator, mesh=(data, fsdp, tensor), role=role,
-                    rows=rows_per_chip * chips, length=T_long, response=R_long, **dict(zip(
+    est = matrix.memory(model_cfg, dtype=cfg.dtype, n_sets=len(policy.sets), n_roles=len(cell.roles),
+                        rank=cfg.lora.rank, mesh=(data, fsdp, tensor), cache_rows=0, cache_len=0,
+                        train_rows=rows_per_chip * chips, train_len=T_long, response_len=R_long)
+    return Compiled(cell=cell.name, model_arguments=est.base + est.lora + est.optimizer,
+                    model_temp=est.grads + est.activations, accelerator=accelerator, mesh=(data, fsdp, tensor),
+                    role=role, rows=rows_per_chip * chips, length=T_long, response=R_long, **dict(zip(
                         ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes"), mem_terms)),
                     hbm_bytes=int(acc.hbm_gb * GiB), flops=flops, bytes_accessed=accessed,
                     model_flops=_model_flops(model_cfg, lora_cfg, batches, role, T_long, R_long,
@@ -310,13 +316,16 @@ def _model_flops(model_cfg, lora_cfg, batches, role, T, R, rows_per_chip, chips)
 def table(results: list[Compiled]) -> str:
     gib = lambda x: f"{x / GiB:7.2f}"  # noqa: E731
     head = (f"{'cell':38} mesh(d,f,t)  role          rows      T     R   args    out  alias   temp  total"
-            f"    hbm fits  TFLOP  model  ratio  roof_s  compile_s")
+            f"    hbm fits m.args m.temp  TFLOP  model  ratio  roof_s  compile_s")
     lines = [f"# compiled train step per chip (GiB); one micro-batch: the cell's longest sample, its rows "
-             f"per data-parallel chip; TFLOP per chip per call", head]
+             f"per data-parallel chip; m.args/m.temp: marljax.matrix's memory model of the same step; TFLOP per "
+             f"chip per call (traced; model: bench/flops.py), roof_s: max(TFLOP / peak, XLA's bytes accessed / "
+             f"HBM bandwidth)", head]
     for c in results:
         lines.append(f"{c.cell:38} {str(c.mesh):12} {c.role:12} {c.rows:5d} {c.length:6d} {c.response:5d} "
                      f"{gib(c.argument_bytes)}{gib(c.output_bytes)}{gib(c.alias_bytes)}{gib(c.temp_bytes)}"
-                     f"{gib(c.total_bytes)}{gib(c.hbm_bytes)} {'yes' if c.fits else 'NO':>4} "
+                     f"{gib(c.total_bytes)}{gib(c.hbm_bytes)} {'yes' if c.fits else 'NO':>4}"
+                     f"{gib(c.model_arguments)}{gib(c.model_temp)} "
                      f"{c.flops / 1e12:6.1f} {c.model_flops / 1e12:6.1f} {c.recompute:6.2f} "
                      f"{c.roofline_s:7.2f} {c.compile_s:10.1f}" + (f"  OOM: {c.oom}" if c.oom else ""))
     return "\n".join(lines)

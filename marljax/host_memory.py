@@ -11,9 +11,9 @@ separate the steps; `bench/peak_rss.py` measures a command's peak). Measurements
 `retain()` must run before jax is imported (jaxlib's threads pick their arena at their first `malloc`),
 so importing marljax calls it. `MARLJAX_HOST_MALLOC`: `auto` (default) keeps memory unless a TPU or GPU
 plugin for jax is installed (and `JAX_PLATFORMS` is not `cpu`; libtpu only counts on a host with a TPU
-device, since it is also installed on CPU machines to compile for TPU topologies), where temp buffers live on the device and
-one arena for a large host's many threads would only add contention; `retain` always keeps it; `system`
-leaves malloc alone (use it where resident memory matters more than step time). Non-glibc: nothing done.
+device, since CPU machines install it too, to compile for TPU topologies: marljax/aot.py), where temp
+buffers live on the device and one arena for a large host's many threads would only add contention;
+`retain` always keeps it; `system` leaves malloc alone (use it where resident memory matters more than step time). Non-glibc: nothing done.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ The estimates are an explicit model, per chip, stated so they can be checked:
           (`sampling.layer_weights`), whichever is larger (training and sampling alternate). The KV
           budget left over becomes `sampling.max_cache_tokens`. Activations assume what the paper's
           lengths need from a trainer: micro-batches of one row per chip, layer rematerialisation,
-          a flash-style attention (no T² scores) and log-probs in chunks of 1,024 positions.
+          a flash-style attention (no T² scores) and log-probs in the trainer's chunks (LOGPROB_CHUNK).
   time    roofline with efficiencies: decode step = max(bytes / (HBM × 0.6), FLOPs / (peak × 0.4))
           + the FSDP weight all-gather over ICI; every sampler chunk runs all of the cell's max-response
           decode steps, 5,120 math / 2,048 code (a batch ends with its longest sequence), and every
@@ -41,6 +41,7 @@ import yaml
 
 from marljax.config import Config, MeshConfig, resolve, to_dict
 from marljax.models.decoder import LINEAR_AXES, ModelConfig
+from marljax.models.logprobs import LOGPROB_CHUNK
 from marljax.models.presets import PRESETS
 from marljax.rl.step import length_bucket
 from marljax.sampling import bucket, bucket_rows
@@ -68,7 +69,6 @@ STRATEGY_TOKENS = 128
 
 # Model efficiencies and budgets (see the module docstring).
 MFU, HBM_EFFICIENCY, HBM_USABLE, BASE_BUDGET = 0.4, 0.6, 0.9, 0.25
-LOGIT_CHUNK = 1024  # response positions per log-prob chunk
 LORA_BYTES = 4  # adapters, their gradients and Adam moments are float32
 
 
@@ -224,7 +224,7 @@ def memory(cfg: ModelConfig, *, dtype: str, n_sets: int, n_roles: int, rank: int
     m = rows_chip(train_rows)
     residuals = cfg.num_layers * m * train_len * d * b
     layer = 2 * m * train_len * (4 * d + 2 * (h + 2 * k) * dh + 3 * f) * b / tensor
-    logits = 3 * m * min(response_len, LOGIT_CHUNK) * cfg.vocab_size * 4 / tensor
+    logits = 3 * m * min(response_len, LOGPROB_CHUNK) * cfg.vocab_size * 4 / tensor
     return Memory(
         base=cfg.num_params() * b / shard,
         lora=n_sets * lora_set,
