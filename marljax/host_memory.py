@@ -13,7 +13,8 @@ so importing marljax calls it. `MARLJAX_HOST_MALLOC`: `auto` (default) keeps mem
 plugin for jax is installed (and `JAX_PLATFORMS` is not `cpu`; libtpu only counts on a host with a TPU
 device, since CPU machines install it too, to compile for TPU topologies: marljax/aot.py), where temp
 buffers live on the device and one arena for a large host's many threads would only add contention;
-`retain` always keeps it; `system` leaves malloc alone (use it where resident memory matters more than step time). Non-glibc: nothing done.
+`retain` always keeps it; `system` leaves malloc alone (use it where resident memory matters more than
+step time). Non-glibc: nothing done.
 """
 from __future__ import annotations
 
