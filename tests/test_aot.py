@@ -44,3 +44,32 @@ def test_long_context_train_step_compiles_for_v5e_with_linear_temp_memory():
     # the traced program's FLOPs: at least the model's, at most the full remat's recompute (3/2 of the LoRA
     # step's 2 passes) plus splash's recomputed scores
     assert 1.0 < large.recompute < 2.0
+
+
+_SPLASH_ON_A_MESH = """
+import numpy as np, jax, jax.numpy as jnp
+from marljax import sharding
+from marljax.config import MeshConfig
+from marljax.models.attention import causal_attention
+B, T, H, K, Dh = 4, 130, 4, 2, 8
+q, k, v = (jax.random.normal(jax.random.key(i), (B, T, h, Dh)) for i, h in enumerate((H, K, K)))
+pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+mask = jnp.arange(T)[None, :] < jnp.array([130, 97, 64, 1])[:, None]
+ref = causal_attention(q, k, v, pos, mask, "dense")
+mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=1, tensor=2))
+with sharding.use_mesh(mesh, sharding.RULES["fsdp_tp"]):
+    out = jax.jit(lambda *a: causal_attention(*a, "splash"))(q, k, v, pos, mask)
+real = np.asarray(mask)[:, :, None, None]
+print(float(np.max(np.abs(np.where(real, np.asarray(out) - np.asarray(ref), 0)))), out.sharding.spec)
+"""
+
+
+def test_splash_runs_per_shard_on_a_mesh():
+    """On a (data=2, tensor=2) mesh of simulated CPU devices the splash kernel runs per shard (rows and
+    heads split, as XLA cannot partition a Pallas kernel) and equals the dense kernel on real tokens."""
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"}
+    out = subprocess.run([sys.executable, "-c", _SPLASH_ON_A_MESH], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    err, spec = out.stdout.strip().split(" ", 1)
+    print(f"max |splash - dense| = {err}; output sharding {spec}")
+    assert float(err) < 1e-5 and "data" in spec and "tensor" in spec
