@@ -1,7 +1,7 @@
 """`python -m marljax.matrix`: the paper's experiment matrix as run configs, with a per-cell memory and
 step-time estimate for an accelerator, the mesh each cell would use, and a plan to run them.
 
-    python -m marljax.matrix --dry-run [--accelerator v5e-8|v4-8|h100|h200|cpu] [--slices K]
+    python -m marljax.matrix --dry-run [--accelerator v5e-8|v6e-8|v5p-8|v4-8|h100|h200|cpu] [--slices K]
     python -m marljax.matrix [--accelerator …] [--out DIR]          # DIR/<cell>.yaml + DIR/plan.md
     python -m marljax.matrix --cell voting-math-qwen3-1.7b-isolated --out DIR   # prints the YAML path
     python -m marljax.matrix --aot v5e-8 [--cell NAME …]   # compile each cell's train step for a TPU
