@@ -179,8 +179,9 @@ def jax_subjaxprs(params):
 
 
 def _oom_bytes(message: str) -> int:
-    """The bytes XLA says the program needs, from its out-of-memory message (0 if not stated)."""
-    m = re.search(r"Used ([\d.]+)([KMGT])? of", message)
+    """The bytes XLA says the program needs, from its out-of-memory message (0 if not stated): "Used
+    X of Y hbm" or "the total memory required for HLO temporaries (X) exceeds available HBM (Y)"."""
+    m = re.search(r"(?:Used |HLO temporaries \()([\d.]+)([KMGT])?", message)
     if not m:
         return 0
     return int(float(m.group(1)) * {None: 1, "K": 1 << 10, "M": 1 << 20, "G": GiB, "T": 1 << 40}[m.group(2)])
