@@ -24,6 +24,7 @@ def test_cpu_runs_stay_on_the_cpu_with_libtpu_installed():
     assert "TPU" not in out.stderr  # no TPU probe (libtpu warns about its missing environment when probed)
 
 
+@pytest.mark.slow  # two TPU compiles: ~3 CPU-minutes each on this project's 2-core box
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed (pip install libtpu==0.0.42.1, requirements-test.txt)")
 def test_long_context_train_step_compiles_for_v5e_with_linear_temp_memory():
     """Qwen3-0.6B shapes, 2 layers, splash attention and chunked log-probs, one 4096- and one 8192-token row
