@@ -219,7 +219,8 @@ def compile_cell(cell, accelerator: str, *, rows_per_chip: int = 1, attention: s
 
     # The step as train.Run builds it for this config (re-point to the shared builder when there is one).
     policy = pm.from_config(cfg.policy, cell.roles)
-    lora_cfg = (LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=ALL_LINEAR, layers=cfg.lora.layers)
+    targets = ALL_LINEAR if cfg.lora.targets in (["all-linear"], "all-linear") else tuple(cfg.lora.targets)
+    lora_cfg = (LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=targets, layers=cfg.lora.layers)
                 if cfg.lora.enabled else None)
     step_cfg = StepConfig(route=tuple(policy.route.items()), lora_scale=lora_cfg.scale if lora_cfg else None,
                           minibatch_size=cfg.rl.minibatch_size, remat=cfg.rl.remat, attention=attention,
@@ -296,16 +297,15 @@ def compile_cell(cell, accelerator: str, *, rows_per_chip: int = 1, attention: s
                     role=role, rows=rows_per_chip * chips, length=T_long, response=R_long, **dict(zip(
                         ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes"), mem_terms)),
                     hbm_bytes=int(acc.hbm_gb * GiB), flops=flops, bytes_accessed=accessed,
-                    model_flops=_model_flops(model_cfg, lora_cfg, batches, role, T_long, R_long,
-                                             rows_per_chip, chips) / chips,
+                    model_flops=_model_flops(model_cfg, lora_cfg, batches) / chips,
                     peak_flops=acc.tflops * 1e12, hbm_bandwidth=acc.hbm_gbs * 1e9, compile_s=compile_s, oom=oom)
 
 
-def _model_flops(model_cfg, lora_cfg, batches, role, T, R, rows_per_chip, chips) -> float:
+def _model_flops(model_cfg, lora_cfg, batches) -> float:
     """bench/flops.py's train FLOPs of the micro-batch's tokens (all rows real: prompt T − 1 − R, response R)."""
     from bench.flops import train_flops  # the repository's FLOP counter (run from a checkout)
     prompts, responses = [], []
-    for x, b in batches.items():
+    for b in batches.values():
         rows, t = b.tokens_nt.shape
         r = b.resp_mask_nr.shape[1]
         prompts += [t - 1 - r] * rows
