@@ -441,8 +441,12 @@ def _aot(chosen: list[Cell], args) -> int:
     from marljax import aot
     results = []
     for i, c in enumerate(chosen):
-        results.append(aot.compile_cell(c, args.aot, rows_per_chip=args.aot_rows, attention=args.aot_attention,
-                                        logprob_chunk=args.aot_logprob_chunk))
+        try:
+            results.append(aot.compile_cell(c, args.aot, rows_per_chip=args.aot_rows,
+                                            attention=args.aot_attention, logprob_chunk=args.aot_logprob_chunk))
+        except aot.AotError as e:
+            print(f"python -m marljax.matrix: {e}", file=sys.stderr)
+            return 2
         lines = aot.table(results[-1:]).splitlines()
         print("\n".join(lines if i == 0 else lines[-1:]), flush=True)
     bad = [r.cell for r in results if not r.fits]

@@ -13,6 +13,12 @@ from marljax import matrix
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
 
+def test_aot_names_the_topologies_it_knows(capsys):
+    with pytest.raises(SystemExit) as e:
+        matrix.main(["--aot", "v4-8", "--cell", "single-math-qwen3-0.6b"])
+    assert e.value.code == 2 and "choose a TPU topology from ['v5e-8', 'v5p-8', 'v6e-8']" in capsys.readouterr().err
+
+
 def test_cpu_runs_stay_on_the_cpu_with_libtpu_installed():
     """The test session's (and its subprocesses') jax runs on the CPU and keeps host memory, libtpu or not."""
     out = subprocess.run([sys.executable, "-c", "import marljax, jax; from marljax import host_memory; "
