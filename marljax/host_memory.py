@@ -14,13 +14,15 @@ calls `opt_in` at its top, under `if __name__ == "__main__":` and before its own
 `__init__`, which runpy runs first, imports no jax), so importing the module as a library stays free of
 side effects; the opt-in prints one line on stderr saying what it did. The bench scripts call `retain()`
 through bench/benchdoc.py, the test session in tests/conftest.py. `MARLJAX_HOST_MALLOC`: `auto` (default) keeps memory unless a TPU or GPU
-plugin for jax is installed (and `JAX_PLATFORMS` is not `cpu`), where temp buffers live on the device and
-one arena for a large host's many threads would only add contention; `retain` always keeps it; `system`
+plugin for jax is installed (and `JAX_PLATFORMS` is not `cpu`; libtpu only counts on a host with a TPU
+device, since CPU machines install it too, to compile for TPU topologies: marljax/aot.py), where temp
+buffers live on the device and one arena for a large host's many threads would only add contention; `retain` always keeps it; `system`
 leaves malloc alone (use it where resident memory matters more than step time). Non-glibc: nothing done.
 """
 from __future__ import annotations
 
 import ctypes
+import glob
 import importlib.util
 import os
 import platform
@@ -40,7 +42,13 @@ def _accelerator_plugin() -> str | None:
     """The installed accelerator plugin jax would pick, or None (none, or JAX_PLATFORMS asks for cpu)."""
     if os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip() == "cpu":
         return None
-    return next((m for m in _ACCELERATOR_PLUGINS if importlib.util.find_spec(m) is not None), None)
+    return next((m for m in _ACCELERATOR_PLUGINS if importlib.util.find_spec(m) is not None
+                 and (m != "libtpu" or _tpu_device())), None)
+
+
+def _tpu_device() -> bool:
+    """A TPU chip on this host: TPU VMs expose them as /dev/accel* (v4, v5e) or /dev/vfio/<n> (v5p, v6e)."""
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 def retain() -> str:

@@ -1,9 +1,11 @@
 """`python -m marljax.matrix`: the paper's experiment matrix as run configs, with a per-cell memory and
 step-time estimate for an accelerator, the mesh each cell would use, and a plan to run them.
 
-    python -m marljax.matrix --dry-run [--accelerator v5e-8|v4-8|h100|h200|cpu] [--slices K]
+    python -m marljax.matrix --dry-run [--accelerator v5e-8|v6e-8|v5p-8|v4-8|h100|h200|cpu] [--slices K]
     python -m marljax.matrix [--accelerator …] [--out DIR]          # DIR/<cell>.yaml + DIR/plan.md
     python -m marljax.matrix --cell voting-math-qwen3-1.7b-isolated --out DIR   # prints the YAML path
+    python -m marljax.matrix --aot v5e-8 [--cell NAME …]   # compile each cell's train step for a TPU
+                                                          # topology (needs libtpu; `marljax.aot`)
 
 42 cells: {eval_opt, voting, orch_workers} × {math, code} × {qwen3-0.6b, 1.7b, 4b} × {shared,
 isolated}, plus single-agent × {math, code} × the three models. Hyperparameters are SPEC §1's: the
@@ -18,7 +20,7 @@ The estimates are an explicit model, per chip, stated so they can be checked:
           (`sampling.layer_weights`), whichever is larger (training and sampling alternate). The KV
           budget left over becomes `sampling.max_cache_tokens`. Activations assume what the paper's
           lengths need from a trainer: micro-batches of one row per chip, layer rematerialisation,
-          a flash-style attention (no T² scores) and log-probs in chunks of 1,024 positions.
+          a flash-style attention (no T² scores) and log-probs in the trainer's chunks (LOGPROB_CHUNK).
   time    roofline with efficiencies: decode step = max(bytes / (HBM × 0.6), FLOPs / (peak × 0.4))
           + the FSDP weight all-gather over ICI; every sampler chunk runs all of the cell's max-response
           decode steps, 5,120 math / 2,048 code (a batch ends with its longest sequence), and every
@@ -40,6 +42,7 @@ import yaml
 
 from marljax.config import Config, resolve, to_dict
 from marljax.models.decoder import LINEAR_AXES, ModelConfig
+from marljax.models.logprobs import LOGPROB_CHUNK
 from marljax.models.presets import PRESETS
 from marljax.shapes import bucket, bucket_rows, length_bucket
 from marljax.sharding import MeshConfig
@@ -65,7 +68,6 @@ STRATEGY_TOKENS = 128
 
 # Model efficiencies and budgets (see the module docstring).
 MFU, HBM_EFFICIENCY, HBM_USABLE, BASE_BUDGET = 0.4, 0.6, 0.9, 0.25
-LOGIT_CHUNK = 1024  # response positions per log-prob chunk
 LORA_BYTES = 4  # adapters, their gradients and Adam moments are float32
 
 
@@ -85,6 +87,8 @@ class Accelerator:
 ACCELERATORS = {
     "v5e-8": Accelerator("v5e-8", 8, 16, 197, 819, 200),
     "v4-8": Accelerator("v4-8", 4, 32, 275, 1228, 300),  # 4 chips (8 TensorCores)
+    "v6e-8": Accelerator("v6e-8", 8, 32, 918, 1640, 448),
+    "v5p-8": Accelerator("v5p-8", 4, 95, 459, 2765, 600),  # 4 chips (8 TensorCores)
     "h100": Accelerator("h100", 8, 80, 989, 3350, 450),
     "h200": Accelerator("h200", 8, 141, 989, 4800, 450),
     # this project's shared 2-core CPU box, as `python bench/roofline.py --samples 10` measured it on
@@ -164,6 +168,24 @@ def lora_params(cfg: ModelConfig, rank: int) -> int:
     return total
 
 
+def lora_params_per_chip(cfg: ModelConfig, rank: int, fsdp: int, tensor: int) -> float:
+    """One LoRA set's parameters per chip as `marljax.sharding` places them: each factor splits only along
+    its base weight's side — the `embed` side over fsdp, the heads/MLP side over tensor (KV heads when
+    tensor divides them) — and the rank stays whole (checked against the compiled v5e-8 step: with fsdp=4
+    an even split over every rank under-counted Qwen3-4B's two sets and their Adam moments by 1.5 GiB)."""
+    def split(axes):
+        if "embed" in axes:
+            return fsdp
+        if "kv_heads" in axes:
+            return tensor if cfg.num_kv_heads % tensor == 0 else 1
+        return tensor
+    total = 0.0
+    for name, (in_axes, out_axes) in LINEAR_AXES.items():
+        ins, outs = cfg.linear_shape(name)
+        total += cfg.num_layers * rank * (math.prod(ins) / split(in_axes) + math.prod(outs) / split(out_axes))
+    return total
+
+
 def matmul_params(cfg: ModelConfig) -> int:
     """Weights one token multiplies through (linear maps and the output projection)."""
     per_layer = sum(math.prod(cfg.linear_shape(n)[0]) * math.prod(cfg.linear_shape(n)[1]) for n in LINEAR_AXES)
@@ -205,13 +227,13 @@ def memory(cfg: ModelConfig, *, dtype: str, n_sets: int, n_roles: int, rank: int
     shard = fsdp * tensor
     kv_tensor = tensor if cfg.num_kv_heads % tensor == 0 else 1
     rows_chip = lambda rows: rows / (data * fsdp) if rows % (data * fsdp) == 0 else rows  # noqa: E731
-    lora_set = lora_params(cfg, rank) * LORA_BYTES / shard
+    lora_set = lora_params_per_chip(cfg, rank, fsdp, tensor) * LORA_BYTES
     b = dtype_bytes(dtype)
     d, f, h, k, dh = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     m = rows_chip(train_rows)
     residuals = cfg.num_layers * m * train_len * d * b
     layer = 2 * m * train_len * (4 * d + 2 * (h + 2 * k) * dh + 3 * f) * b / tensor
-    logits = 3 * m * min(response_len, LOGIT_CHUNK) * cfg.vocab_size * 4 / tensor
+    logits = 3 * m * min(response_len, LOGPROB_CHUNK) * cfg.vocab_size * 4 / tensor
     return Memory(
         base=cfg.num_params() * b / shard,
         lora=n_sets * lora_set,
@@ -380,19 +402,32 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dry-run", action="store_true", help="print the table (one row per cell); write nothing")
     ap.add_argument("--accelerator", default="v5e-8", choices=sorted(ACCELERATORS))
     ap.add_argument("--out", default="runs/matrix", help="where the cell configs and plan.md go")
-    ap.add_argument("--cell", help="only this cell: write its config and print the file's path")
+    ap.add_argument("--cell", nargs="+", help="only these cells (one: write its config and print the file's "
+                    "path)")
+    ap.add_argument("--aot", metavar="TOPOLOGY", help="compile each cell's train step for a TPU topology "
+                    "(v5e-8, v6e-8, v5p-8) and print its per-chip memory, FLOPs and roofline time; exits 1 if "
+                    "a cell does not fit (marljax/aot.py)")
+    ap.add_argument("--aot-rows", type=int, default=1, help="--aot: rows of the longest sample per chip")
+    ap.add_argument("--aot-attention", default="splash", help="--aot: rl.attention (splash, dense, …)")
+    ap.add_argument("--aot-logprob-chunk", type=int, help="--aot: response positions per log-prob chunk "
+                    "(default: the trainer's)")
     ap.add_argument("--slices", type=int, default=1, help="slices (or hosts) running cells in parallel")
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--data-root", default="data", help="directory holding dapo-math-17k/ and deepcoder/")
     args = ap.parse_args(argv)
     if args.slices < 1:
         ap.error("--slices must be ≥ 1")
-    acc = ACCELERATORS[args.accelerator]
     chosen = cells()
     if args.cell:
-        chosen = [c for c in chosen if c.name == args.cell]
-        if not chosen:
-            ap.error(f"unknown cell {args.cell!r}; `python -m marljax.matrix --dry-run` lists them.")
+        unknown = sorted(set(args.cell) - {c.name for c in chosen})
+        if unknown:
+            ap.error(f"unknown cell(s) {unknown}; `python -m marljax.matrix --dry-run` lists them.")
+        chosen = [c for c in chosen if c.name in args.cell]
+    if args.aot:
+        sys.exit(_aot(chosen, args))
+    if args.cell and len(args.cell) > 1 and not args.dry_run:
+        ap.error("writing configs takes one --cell (or none for all)")
+    acc = ACCELERATORS[args.accelerator]
     estimates = [estimate(c, acc, args.steps) for c in chosen]
     if args.dry_run:
         print(table(estimates, acc, args.slices))
@@ -408,6 +443,25 @@ def main(argv: list[str] | None = None) -> None:
     if not args.cell:
         (out / "plan.md").write_text("```\n" + table(estimates, acc, args.slices) + "\n```\n")
         print(f"{len(estimates)} configs and plan.md in {out}", file=sys.stderr)
+
+
+def _aot(chosen: list[Cell], args) -> int:
+    """Compile every chosen cell for the topology, printing rows as they come; 1 if one does not fit."""
+    from marljax import aot
+    results = []
+    for i, c in enumerate(chosen):
+        try:
+            results.append(aot.compile_cell(c, args.aot, rows_per_chip=args.aot_rows,
+                                            attention=args.aot_attention, logprob_chunk=args.aot_logprob_chunk))
+        except aot.AotError as e:
+            print(f"python -m marljax.matrix: {e}", file=sys.stderr)
+            return 2
+        lines = aot.table(results[-1:]).splitlines()
+        print("\n".join(lines if i == 0 else lines[-1:]), flush=True)
+    bad = [r.cell for r in results if not r.fits]
+    print(f"# {len(results) - len(bad)} of {len(results)} cells fit on {args.aot}"
+          + (f"; not: {', '.join(bad)}" if bad else ""), flush=True)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -256,6 +256,19 @@ def constrain(x, axes):
     return jax.lax.with_sharding_constraint(x, logical_spec(axes, x.shape, mesh, rules))
 
 
+def shard_map_logical(fn, args, in_axes, out_axes):
+    """`fn(*args)` run once per shard (`jax.shard_map`) inside `use_mesh`, each argument and the
+    output split by the specs of their logical axis names (see `constrain`); `fn(*args)` elsewhere.
+    For kernels XLA cannot partition itself (Pallas/Mosaic custom calls)."""
+    rules = _ACTIVE_RULES.get()
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty:
+        return fn(*args)
+    specs = [logical_spec(axes, x.shape, mesh, rules) for axes, x in zip(in_axes, args)]
+    out_spec = logical_spec(out_axes, args[0].shape, mesh, rules)
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(specs), out_specs=out_spec, check_vma=False)(*args)
+
+
 def replicate(tree):
     """Constrain every array of `tree` to be replicated (readable on every host); see `constrain`."""
     return jax.tree.map(lambda x: constrain(x, (None,) * x.ndim), tree)

@@ -16,6 +16,9 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "marljax-test-jax-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# libtpu is a test dependency (tests/test_aot.py compiles for TPU topologies): keep jax on the CPU, without
+# probing for a TPU, unless the run asks otherwise.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from marljax import host_memory  # noqa: E402
 

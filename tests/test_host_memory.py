@@ -1,5 +1,6 @@
 """The CLIs keep freed host memory (glibc), so XLA CPU's per-call temp buffer is not faulted in again on
 every call; importing marljax changes nothing (marljax/host_memory.py)."""
+import glob
 import os
 import platform
 import subprocess
@@ -103,11 +104,11 @@ def test_the_cli_opts_in_and_says_so():
                                           "see marljax/host_memory.py")
 
 
-def _state(tmp_path, **env) -> subprocess.CompletedProcess:
-    """marljax's host-memory state in a fresh process with a fake `libtpu` package on its path; `env` values
+def _state(tmp_path, plugin="jax_cuda12_plugin", **env) -> subprocess.CompletedProcess:
+    """marljax's host-memory state in a fresh process with a fake `plugin` package on its path; `env` values
     override the environment, None unsets."""
-    (tmp_path / "libtpu").mkdir(exist_ok=True)
-    (tmp_path / "libtpu" / "__init__.py").write_text("")
+    (tmp_path / plugin).mkdir(exist_ok=True)
+    (tmp_path / plugin / "__init__.py").write_text("")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", **env}
     return subprocess.run([sys.executable, "-c", "from marljax import host_memory; print(host_memory.retain())"],
                           env={k: v for k, v in env.items() if v is not None}, capture_output=True, text=True)
@@ -116,8 +117,18 @@ def _state(tmp_path, **env) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                     reason="host memory retention is glibc-only (mallopt); this platform leaves malloc alone")
 def test_auto_leaves_malloc_alone_where_an_accelerator_plugin_is_installed(tmp_path):
-    assert "accelerator plugin libtpu" in _state(tmp_path, MARLJAX_HOST_MALLOC="auto", JAX_PLATFORMS=None).stdout
+    assert "accelerator plugin jax_cuda12_plugin" in _state(tmp_path, MARLJAX_HOST_MALLOC="auto",
+                                                            JAX_PLATFORMS=None).stdout
     assert _state(tmp_path, MARLJAX_HOST_MALLOC="auto", JAX_PLATFORMS="cpu").stdout.strip() == "retained"
     assert _state(tmp_path, MARLJAX_HOST_MALLOC="retain", JAX_PLATFORMS=None).stdout.strip() == "retained"
     bad = _state(tmp_path, MARLJAX_HOST_MALLOC="keep")
     assert bad.returncode != 0 and "MARLJAX_HOST_MALLOC='keep'; choose from auto, retain, system" in bad.stderr
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                    reason="host memory retention is glibc-only (mallopt); this platform leaves malloc alone")
+@pytest.mark.skipif(bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")), reason="a TPU host")
+def test_libtpu_without_a_tpu_keeps_host_memory(tmp_path):
+    """libtpu installed on a CPU machine (to compile for TPU topologies, marljax/aot.py) is no accelerator."""
+    state = _state(tmp_path, plugin="libtpu", MARLJAX_HOST_MALLOC="auto", JAX_PLATFORMS=None).stdout.strip()
+    assert state == "retained"

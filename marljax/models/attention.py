@@ -40,13 +40,20 @@ def check_attention(name: str) -> str:
     return name
 
 
+def target_backend() -> str:
+    """The platform the code being traced will run on: the devices of the mesh set by `jax.set_mesh`
+    (an ahead-of-time compile for a TPU topology traces on a CPU host), else JAX's default backend."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return jax.default_backend() if device is None else device.platform
+
+
 def resolve_attention(name: str, length: int, dtype, backend: str | None = None) -> str:
     """The implementation `name` runs as for sequences of `length` tokens of `dtype` on `backend`
-    (default: JAX's): `auto` takes splash on a TPU, cuDNN on a GPU for half precision, else dense
-    up to `DENSE_MAX_LENGTH` tokens and blockwise above."""
+    (default: `target_backend()`): `auto` takes splash on a TPU, cuDNN on a GPU for half precision,
+    else dense up to `DENSE_MAX_LENGTH` tokens and blockwise above."""
     if check_attention(name) != "auto":
         return name
-    backend = backend or jax.default_backend()
+    backend = backend or target_backend()
     if backend == "tpu":
         return "splash"
     if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
@@ -113,7 +120,7 @@ def cudnn_attention(q_bthd, k_btkd, v_btkd, kv_mask_bt=None):
     """`jax.nn.dot_product_attention`, causal by index; right padding as key lengths. cuDNN's flash
     kernel on a GPU for half precision (it takes no float32), XLA's implementation otherwise."""
     half = q_bthd.dtype in (jnp.bfloat16, jnp.float16)
-    impl = "cudnn" if jax.default_backend() == "gpu" and half else "xla"
+    impl = "cudnn" if target_backend() == "gpu" and half else "xla"
     lengths = None if kv_mask_bt is None else jnp.sum(kv_mask_bt, axis=1, dtype=jnp.int32)
     return jax.nn.dot_product_attention(q_bthd, k_btkd, v_btkd, is_causal=True,
                                         key_value_seq_lengths=lengths, implementation=impl)
@@ -126,7 +133,25 @@ SPLASH_BLOCK = 128  # the TPU kernel's tile; T is padded to a multiple
 def splash_attention(q_bthd, k_btkd, v_btkd, kv_mask_bt=None, *, interpret: bool | None = None):
     """Pallas splash attention, causal by index; right padding as segment ids (padding keys are
     segment 0, unseen by real queries). One multi-query kernel per (row, KV head) over its G query
-    heads. `interpret` (default: off a TPU) runs the kernel in Pallas' interpreter."""
+    heads. `interpret` (default: unless `target_backend()` is a TPU) runs the kernel in Pallas'
+    interpreter. On a mesh (`sharding.use_mesh`) the kernel runs per shard: rows split like the
+    batch, heads like `act_heads` when the KV heads split the same way (else heads replicated)."""
+    from marljax import sharding
+
+    real_bt = jnp.ones(q_bthd.shape[:2], bool) if kv_mask_bt is None else kv_mask_bt
+    interpret = target_backend() != "tpu" if interpret is None else interpret
+    heads = "act_heads"
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and "tensor" in mesh.axis_names and mesh.shape["tensor"] > 1 and (
+            k_btkd.shape[2] % mesh.shape["tensor"]):
+        heads = None  # fewer KV heads than tensor ranks: every shard takes all heads
+    qkv_axes = ("batch", "length", heads, "head_dim")
+    return sharding.shard_map_logical(functools.partial(_splash, interpret=interpret),
+                                      (q_bthd, k_btkd, v_btkd, real_bt),
+                                      (qkv_axes, qkv_axes, qkv_axes, ("batch", "length")), qkv_axes)
+
+
+def _splash(q_bthd, k_btkd, v_btkd, real_bt, *, interpret: bool):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
@@ -137,10 +162,8 @@ def splash_attention(q_bthd, k_btkd, v_btkd, kv_mask_bt=None, *, interpret: bool
     b = SPLASH_BLOCK
     blocks = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                                block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
-    interpret = jax.default_backend() != "tpu" if interpret is None else interpret
     kernel = splash.make_splash_mqa_single_device(masks.MultiHeadMask([masks.CausalMask((Tp, Tp))] * G),
                                                   block_sizes=blocks, interpret=interpret)
-    real_bt = jnp.ones((B, T), bool) if kv_mask_bt is None else kv_mask_bt
     segment_bt = jnp.pad(real_bt, ((0, 0), (0, pad))).astype(jnp.int32)
     along_t = ((0, 0), (0, pad), (0, 0), (0, 0))
     q = jnp.pad(q_bthd * jnp.asarray(D ** -0.5, q_bthd.dtype), along_t)  # the kernel does not scale

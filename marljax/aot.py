@@ -1,0 +1,335 @@
+"""Ahead-of-time compile of a paper cell's train step for a TPU topology, on a host without one.
+
+`python -m marljax.matrix --aot v5e-8 [--cell NAME …]` builds, per cell, the trainer's jitted update
+(`marljax.rl.step.Trainer`) with the cell's model shapes (`nnx.eval_shape`: nothing allocated), its
+LoRA or full parameter sets, Adam states, mesh and sharding rules (`marljax.sharding`), and one
+micro-batch holding the cell's longest sample (`rows_per_chip` rows of it per data-parallel chip;
+every other role of the cell is present with one short row per chip, so the step holds every role's
+gradient), then lowers it with `jax.ShapeDtypeStruct` arguments that carry their shardings and
+compiles it with libtpu's compile-only client for the topology. XLA's TPU compiler reports per chip:
+  bytes    arguments + outputs + temp − aliased (donated params and optimizer state alias outputs)
+  flops    the compiled program's FLOPs (`cost_analysis`), beside the model FLOPs of the same tokens
+           (`bench/flops.py`: the useful work); their ratio is the recompute overhead (remat, the
+           log-prob chunks' rematerialisation, the attention kernel's own backward)
+  roofline max(flops / peak, bytes accessed / HBM bandwidth) of one such call
+libtpu (`pip install libtpu==0.0.42.1`, the build matching jax 0.10.2) must be importable; JAX itself
+stays on the CPU backend (JAX_PLATFORMS=cpu): the TPU is only a compile target.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+import time
+
+# accelerator name (marljax.matrix.ACCELERATORS) -> libtpu topology name
+TOPOLOGIES = {"v5e-8": "v5e:2x4", "v6e-8": "v6e:2x4", "v5p-8": "v5p:2x2x1"}
+SHORT_ROW = 32  # tokens of the one row per chip each role other than the longest sample's holds
+GiB = 1 << 30
+
+
+class AotError(RuntimeError):
+    """libtpu missing, or an unknown topology; the message names the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """One cell's compiled train step, per chip."""
+
+    cell: str
+    accelerator: str
+    mesh: tuple[int, int, int]
+    role: str  # the longest sample's role
+    rows: int  # global rows of the longest sample's role
+    length: int  # its padded length T
+    response: int  # its padded response length R
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    hbm_bytes: int
+    flops: float  # compiled, per chip, one call
+    bytes_accessed: float
+    model_flops: float  # bench/flops.py train_flops of the same tokens, per chip
+    peak_flops: float  # per chip, FLOP/s
+    hbm_bandwidth: float  # bytes/s
+    compile_s: float
+    model_arguments: float = 0.0  # marljax.matrix's memory model of the same step: base + LoRA + Adam
+    model_temp: float = 0.0  # … and per-role gradients + train activations
+    oom: str = ""  # XLA's out-of-memory message when the program does not fit
+
+    @property
+    def total_bytes(self) -> int:
+        return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+
+    @property
+    def fits(self) -> bool:
+        return not self.oom and self.total_bytes <= self.hbm_bytes
+
+    @property
+    def recompute(self) -> float:
+        return self.flops / self.model_flops if self.model_flops else float("nan")
+
+    @property
+    def roofline_s(self) -> float:
+        return max(self.flops / self.peak_flops, self.bytes_accessed / self.hbm_bandwidth)
+
+
+def require_libtpu() -> None:
+    if importlib.util.find_spec("libtpu") is None:
+        raise AotError("the AOT compile needs libtpu: `pip install libtpu==0.0.42.1` (the build matching "
+                       "jax 0.10.2; requirements-test.txt pins it).")
+
+
+def topology_devices(accelerator: str):
+    """The devices of `accelerator`'s TPU topology (compile-only: no TPU needed). JAX itself is kept
+    on the CPU backend unless JAX_PLATFORMS says otherwise."""
+    if accelerator not in TOPOLOGIES:
+        raise AotError(f"--aot {accelerator!r}: choose a TPU topology from {sorted(TOPOLOGIES)}.")
+    require_libtpu()
+    import jax
+    if "JAX_PLATFORMS" not in os.environ:  # jax read the variable at import: set its config instead
+        jax.config.update("jax_platforms", "cpu")
+    # Compile-only: several processes may load libtpu at once (else the second fails on its lockfile).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+    return topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGIES[accelerator]).devices
+
+
+def _abstract(tree, shardings):
+    """ShapeDtypeStructs of `tree` carrying `shardings` (a matching tree, or one sharding for all)."""
+    import jax
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def traced_flops(jaxpr) -> float:
+    """FLOPs of a (closed) jaxpr's matrix products: 2 per multiply-add of every `dot_general`, loop
+    bodies times their trip count (`scan`), both branches' maximum (`cond`), shard_map bodies times
+    their shards, Pallas kernels by their own `cost_estimate`. XLA's `cost_analysis` counts every loop
+    body once, which undercounts a scanned decoder by its layer count; this counts what the traced
+    program computes, remat recomputation included. Elementwise work is not counted."""
+    import math
+
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name, params = eqn.primitive.name, eqn.params
+        if name == "dot_general":
+            (lhs_contract, _), _ = params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
+        elif name == "scan":
+            total += params["length"] * traced_flops(params["jaxpr"])
+        elif name == "cond":
+            total += max(traced_flops(b) for b in params["branches"])
+        elif name == "while":
+            if any(e.primitive.name == "dot_general" for e in params["body_jaxpr"].jaxpr.eqns):
+                raise ValueError("traced_flops: a while loop with matrix products has no static trip count")
+            total += traced_flops(params["body_jaxpr"])
+        elif name == "pallas_call":
+            total += _kernel_flops(eqn)
+        elif name == "shard_map":
+            shards = math.prod(params["mesh"].shape[a] for a in params["newly_manual_axes"])
+            total += shards * traced_flops(params["jaxpr"])
+        else:
+            for sub in jax_subjaxprs(params):
+                total += traced_flops(sub)
+    return total
+
+
+# Matrix products per grid step of the splash attention kernels (`SPLASH_BLOCK`² tiles): forward
+# scores and values; backward dq: scores, dp, dq; dkv: scores, dp, dv, dk.
+SPLASH_PRODUCTS = {"fwd": 2, "dq": 3, "dkv": 4}
+
+
+def _kernel_flops(eqn) -> float:
+    """A Pallas kernel's FLOPs: its own `cost_estimate`, else (splash attention, causal) the products
+    per grid step × grid steps × the causal share of key blocks a query block sees."""
+    import math
+
+    import jax.numpy as jnp
+
+    from marljax.models.attention import SPLASH_BLOCK
+    estimate = eqn.params.get("cost_estimate")
+    if estimate is not None:
+        return float(estimate.flops)
+    name = str(eqn.params.get("name", ""))
+    kind = next((k for k in ("dkv", "dq", "fwd") if k in name), None)
+    if "splash" not in name or kind is None:
+        raise ValueError(f"traced_flops: Pallas kernel {name!r} has no cost_estimate")
+    grid = eqn.params["grid_mapping"].grid
+    blocks = grid[-1]
+    # q, k, v, dout are [..., T, Dh] with T ≥ Dh (padded to whole blocks); log-sum-exps [..., T]
+    head_dim = min(v.aval.shape[-1] for v in eqn.invars
+                   if v.aval.ndim >= 3 and jnp.issubdtype(v.aval.dtype, jnp.floating))
+    return (SPLASH_PRODUCTS[kind] * 2.0 * SPLASH_BLOCK ** 2 * head_dim * math.prod(grid)
+            * (blocks + 1) / (2 * blocks))
+
+
+def jax_subjaxprs(params):
+    """The jaxprs nested in an equation's parameters (pjit, remat, custom_vjp, …)."""
+    from jax.extend import core
+    for v in params.values():
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(x, (core.Jaxpr, core.ClosedJaxpr)):
+                yield x
+
+
+def _oom_bytes(message: str) -> int:
+    """The bytes XLA says the program needs, from its out-of-memory message (0 if not stated): "Used
+    X of Y hbm" or "the total memory required for HLO temporaries (X) exceeds available HBM (Y)"."""
+    m = re.search(r"(?:Used |HLO temporaries \()([\d.]+)([KMGT])?", message)
+    if not m:
+        return 0
+    return int(float(m.group(1)) * {None: 1, "K": 1 << 10, "M": 1 << 20, "G": GiB, "T": 1 << 40}[m.group(2)])
+
+
+def compile_cell(cell, accelerator: str, *, rows_per_chip: int = 1, attention: str = "splash",
+                 logprob_chunk: int | None = None, layers: int | None = None,
+                 length: int | None = None) -> Compiled:
+    """Compile `cell`'s (a `marljax.matrix.Cell`) train step for `accelerator`'s topology; see the module
+    docstring. `attention`: `rl.attention`; `logprob_chunk`: response positions per log-prob chunk
+    (None: the trainer's); `layers` / `length`: override the model's layer count and the longest
+    sample's length (for tests)."""
+    devices = topology_devices(accelerator)
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from marljax import matrix, sharding
+    from marljax.models.decoder import Decoder
+    from marljax.models.presets import PRESETS
+    from marljax.config import resolve
+    from marljax.models.lora import init_lora
+    from marljax.rl import policy_map as pm
+    from marljax.rl.state import TrainState
+    from marljax.rl.step import RoleBatch, Trainer
+    from marljax.shapes import bucket, length_bucket
+
+    acc = matrix.ACCELERATORS[accelerator]
+    cfg = matrix.cell_config(matrix.estimate(cell, acc), acc)
+    model_cfg = dataclasses.replace(PRESETS[cfg.model], dtype=cfg.dtype)
+    if layers is not None:
+        model_cfg = dataclasses.replace(model_cfg, num_layers=layers)
+    mesh = sharding.make_mesh(cfg.mesh, devices=devices)
+    rules = sharding.get_rules(cfg.mesh, mesh)
+    data, fsdp, tensor = (mesh.shape[a] for a in sharding.MESH_AXES)
+    model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
+
+    # The step as train.Run builds it for this config, with the attention and log-prob chunk asked for.
+    cfg = resolve(cfg)
+    workflow = cfg.workflow.build()
+    policy = pm.from_config(cfg.policy, workflow.roles)
+    lora_cfg = cfg.lora.build()
+    step_cfg = dataclasses.replace(
+        cfg.rl.step(dict(policy.route), workflow.same_role_counts(), cfg.sampling.temperature,
+                    lora_cfg.scale if lora_cfg else None),
+        attention=attention, **({} if logprob_chunk is None else {"logprob_chunk": logprob_chunk}))
+    optimizer = cfg.optim.build()
+    if lora_cfg is not None:
+        params = {s: jax.eval_shape(lambda: init_lora(model_cfg, lora_cfg, jax.random.key(0)))
+                  for s in policy.sets}
+    else:
+        # full fine-tuning trains float32 master weights (models.decoder.trainable_params)
+        params = {s: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), nnx.state(model, nnx.Param))
+                  for s in policy.sets}
+    p_sh = {s: sharding.trainable_shardings(p, model, mesh, rules, replicate_lora=cfg.mesh.lora == "replicated")
+            for s, p in params.items()}
+    o_sh = {s: sharding.optimizer_shardings(optimizer, p, p_sh[s], mesh) for s, p in params.items()}
+    e_sh = {r: p_sh[s] for r, s in policy.route.items()} if step_cfg.damping_lambda > 0 else {}
+    replicated = sharding.replicated(mesh)
+    state_sh = TrainState(p_sh, o_sh, e_sh, replicated)
+    trainer = Trainer(model, step_cfg, optimizer, out_shardings=(state_sh, replicated))
+
+    # One micro-batch: the longest sample's role at `rows_per_chip` rows per data-parallel chip, every
+    # other role one short row per chip.
+    r = cell.max_response
+    longest = {role: max(s.prompt for s in cell.stages() if s.role == role) for role in cell.roles}
+    role = max(cell.roles, key=lambda x: longest[x])
+    chips = data * fsdp
+    T_long = length or length_bucket(longest[role] + r + 1)
+    R_long = min(bucket(r, 8), T_long - 1)
+
+    def role_batch(rows, T, R):
+        spec = lambda *dims: jax.sharding.NamedSharding(  # noqa: E731
+            mesh, sharding.logical_spec(("batch",) + (None,) * (len(dims) - 1), dims, mesh, rules))
+        arr = lambda dt, *dims: jax.ShapeDtypeStruct(dims, dt, sharding=spec(*dims))  # noqa: E731
+        return RoleBatch(arr(jnp.int32, rows, T), arr(jnp.int32, rows), arr(jnp.float32, rows, R),
+                         arr(jnp.float32, rows), arr(jnp.float32, rows, R), arr(jnp.float32, rows, R),
+                         arr(jnp.float32, rows))
+
+    batches = {x: role_batch(rows_per_chip * chips, T_long, R_long) if x == role
+               else role_batch(chips, SHORT_ROW, SHORT_ROW // 2) for x in cell.roles}
+    state = TrainState(params=_abstract(params, p_sh),
+                       opt_state=_abstract({s: jax.eval_shape(optimizer.init, p) for s, p in params.items()}, o_sh),
+                       ema=_abstract({x: params[policy.route[x]] for x in e_sh}, e_sh),
+                       step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
+    base = _abstract(trainer.base_state, sharding.param_shardings(trainer.base_state, mesh, rules))
+    lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
+
+    t0 = time.perf_counter()
+    oom = ""
+    with sharding.use_mesh(mesh, rules):
+        traced = trainer._update_jit.trace(base, state, batches, lr, recompute_old=False)
+        lowered = traced.lower()
+        try:
+            compiled = lowered.compile()
+        except Exception as e:  # XLA's RESOURCE_EXHAUSTED: the program needs more HBM than the chip has
+            if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):
+                raise
+            compiled, oom = None, str(e).strip().splitlines()[0][:400]
+    compile_s = time.perf_counter() - t0
+    if compiled is not None:
+        mem = compiled.memory_analysis()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        mem_terms = (mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
+                     mem.temp_size_in_bytes)
+        accessed = float(cost.get("bytes accessed", 0.0))
+    else:
+        mem_terms, accessed = (0, 0, 0, _oom_bytes(oom)), 0.0
+    flops = traced_flops(traced.jaxpr) / (data * fsdp * tensor)
+    est = matrix.memory(model_cfg, dtype=cfg.dtype, n_sets=len(policy.sets), n_roles=len(cell.roles),
+                        rank=cfg.lora.rank, mesh=(data, fsdp, tensor), cache_rows=0, cache_len=0,
+                        train_rows=rows_per_chip * chips, train_len=T_long, response_len=R_long)
+    return Compiled(cell=cell.name, model_arguments=est.base + est.lora + est.optimizer,
+                    model_temp=est.grads + est.activations, accelerator=accelerator, mesh=(data, fsdp, tensor),
+                    role=role, rows=rows_per_chip * chips, length=T_long, response=R_long, **dict(zip(
+                        ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes"), mem_terms)),
+                    hbm_bytes=int(acc.hbm_gb * GiB), flops=flops, bytes_accessed=accessed,
+                    model_flops=_model_flops(model_cfg, lora_cfg, batches) / chips,
+                    peak_flops=acc.tflops * 1e12, hbm_bandwidth=acc.hbm_gbs * 1e9, compile_s=compile_s, oom=oom)
+
+
+def _model_flops(model_cfg, lora_cfg, batches) -> float:
+    """bench/flops.py's train FLOPs of the micro-batch's tokens (all rows real: prompt T − 1 − R, response R)."""
+    from bench.flops import train_flops  # the repository's FLOP counter (run from a checkout)
+    prompts, responses = [], []
+    for b in batches.values():
+        rows, t = b.tokens_nt.shape
+        r = b.resp_mask_nr.shape[1]
+        prompts += [t - 1 - r] * rows
+        responses += [r] * rows
+    kw = {} if lora_cfg is None else {"lora_rank": lora_cfg.rank, "lora_layers": lora_cfg.layers}
+    return float(train_flops(model_cfg, prompts, responses, **kw))
+
+
+def table(results: list[Compiled]) -> str:
+    gib = lambda x: f"{x / GiB:7.2f}"  # noqa: E731
+    head = (f"{'cell':38} mesh(d,f,t)  role          rows      T     R   args    out  alias   temp  total"
+            f"    hbm fits m.args m.temp  TFLOP  model  ratio  roof_s  compile_s")
+    lines = [f"# compiled train step per chip (GiB); one micro-batch: the cell's longest sample, its rows "
+             f"per data-parallel chip; m.args/m.temp: marljax.matrix's memory model of the same step; TFLOP per "
+             f"chip per call (traced; model: bench/flops.py), roof_s: max(TFLOP / peak, XLA's bytes accessed / "
+             f"HBM bandwidth)", head]
+    for c in results:
+        lines.append(f"{c.cell:38} {str(c.mesh):12} {c.role:12} {c.rows:5d} {c.length:6d} {c.response:5d} "
+                     f"{gib(c.argument_bytes)}{gib(c.output_bytes)}{gib(c.alias_bytes)}{gib(c.temp_bytes)}"
+                     f"{gib(c.total_bytes)}{gib(c.hbm_bytes)} {'yes' if c.fits else 'NO':>4}"
+                     f"{gib(c.model_arguments)}{gib(c.model_temp)} "
+                     f"{c.flops / 1e12:6.1f} {c.model_flops / 1e12:6.1f} {c.recompute:6.2f} "
+                     f"{c.roofline_s:7.2f} {c.compile_s:10.1f}" + (f"  OOM: {c.oom}" if c.oom else ""))
+    return "\n".join(lines)

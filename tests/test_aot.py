@@ -1,0 +1,82 @@
+"""Ahead-of-time compile of the train step for a TPU topology on this CPU machine (marljax/aot.py), and
+CPU runs unchanged with libtpu installed."""
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from marljax import matrix
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+
+
+def test_aot_names_the_topologies_it_knows(capsys):
+    with pytest.raises(SystemExit) as e:
+        matrix.main(["--aot", "v4-8", "--cell", "single-math-qwen3-0.6b"])
+    assert e.value.code == 2 and "choose a TPU topology from ['v5e-8', 'v5p-8', 'v6e-8']" in capsys.readouterr().err
+
+
+def test_cpu_runs_stay_on_the_cpu_with_libtpu_installed():
+    """The test session's (and its subprocesses') jax runs on the CPU and keeps host memory, libtpu or not."""
+    out = subprocess.run([sys.executable, "-c", "import marljax, jax; from marljax import host_memory; "
+                          "print(jax.default_backend(), host_memory.state)"],
+                         env={**os.environ, "MARLJAX_HOST_MALLOC": "auto"}, capture_output=True, text=True,
+                         check=True)
+    print(f"libtpu importable: {HAS_LIBTPU}; {out.stdout.strip()}")
+    assert out.stdout.split() == ["cpu", "retained"]
+    assert "TPU" not in out.stderr  # no TPU probe (libtpu warns about its missing environment when probed)
+
+
+@pytest.mark.slow  # two TPU compiles: ~3 CPU-minutes each on this project's 2-core box
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed (pip install libtpu==0.0.42.1, requirements-test.txt)")
+def test_long_context_train_step_compiles_for_v5e_with_linear_temp_memory():
+    """Qwen3-0.6B shapes, 2 layers, splash attention and chunked log-probs, one 4096- and one 8192-token row
+    per chip on v5e-8 (mesh data=8): doubling the context less than doubles-and-a-quarter the temp bytes
+    (dense T×T scores would quadruple their share)."""
+    from marljax import aot
+    cell = next(c for c in matrix.cells() if c.name == "single-math-qwen3-0.6b")
+    runs = {}
+    for T in (4096, 8192):
+        t0 = time.perf_counter()
+        runs[T] = aot.compile_cell(cell, "v5e-8", layers=2, length=T)
+        print(f"T={T}: temp {runs[T].temp_bytes / 2**20:.0f} MiB, total {runs[T].total_bytes / 2**20:.0f} MiB, "
+              f"{runs[T].flops / 1e12:.2f} TFLOP/chip (model {runs[T].model_flops / 1e12:.2f}), "
+              f"{time.perf_counter() - t0:.0f} s")
+    small, large = runs[4096], runs[8192]
+    assert small.fits and large.fits and small.mesh == (8, 1, 1)
+    assert small.temp_bytes > 0 and large.temp_bytes < 2.25 * small.temp_bytes
+    # the traced program's FLOPs: at least the model's, at most the full remat's recompute (3/2 of the LoRA
+    # step's 2 passes) plus splash's recomputed scores
+    assert 1.0 < large.recompute < 2.0
+
+
+_SPLASH_ON_A_MESH = """
+import numpy as np, jax, jax.numpy as jnp
+from marljax import sharding
+from marljax.config import MeshConfig
+from marljax.models.attention import causal_attention
+B, T, H, K, Dh = 4, 130, 4, 2, 8
+q, k, v = (jax.random.normal(jax.random.key(i), (B, T, h, Dh)) for i, h in enumerate((H, K, K)))
+pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+mask = jnp.arange(T)[None, :] < jnp.array([130, 97, 64, 1])[:, None]
+ref = causal_attention(q, k, v, pos, mask, "dense")
+mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=1, tensor=2))
+with sharding.use_mesh(mesh, sharding.RULES["fsdp_tp"]):
+    out = jax.jit(lambda *a: causal_attention(*a, "splash"))(q, k, v, pos, mask)
+real = np.asarray(mask)[:, :, None, None]
+print(float(np.max(np.abs(np.where(real, np.asarray(out) - np.asarray(ref), 0)))), out.sharding.spec)
+"""
+
+
+def test_splash_runs_per_shard_on_a_mesh():
+    """On a (data=2, tensor=2) mesh of simulated CPU devices the splash kernel runs per shard (rows and
+    heads split, as XLA cannot partition a Pallas kernel) and equals the dense kernel on real tokens."""
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"}
+    out = subprocess.run([sys.executable, "-c", _SPLASH_ON_A_MESH], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    err, spec = out.stdout.strip().split(" ", 1)
+    print(f"max |splash - dense| = {err}; output sharding {spec}")
+    assert float(err) < 1e-5 and "data" in spec and "tensor" in spec
