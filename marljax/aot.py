@@ -187,19 +187,21 @@ def _oom_bytes(message: str) -> int:
     return int(float(m.group(1)) * {None: 1, "K": 1 << 10, "M": 1 << 20, "G": GiB, "T": 1 << 40}[m.group(2)])
 
 
-def compile_cell(cell, accelerator: str, *, rows_per_chip: int = 1, attention: str = "splash",
+def compile_cell(cell, cfg, accelerator: str, acc, *, rows_per_chip: int = 1, attention: str = "splash",
                  logprob_chunk: int | None = None, layers: int | None = None,
                  length: int | None = None) -> Compiled:
-    """Compile `cell`'s (a `marljax.matrix.Cell`) train step for `accelerator`'s topology; see the module
-    docstring. `attention`: `rl.attention`; `logprob_chunk`: response positions per log-prob chunk
+    """Compile `cell`'s (a `marljax.matrix.Cell`, with its config `cfg` and `acc` the
+    `marljax.matrix.Accelerator` named `accelerator`) train step for that accelerator's topology; see the
+    module docstring. `attention`: `rl.attention`; `logprob_chunk`: response positions per log-prob chunk
     (None: the trainer's); `layers` / `length`: override the model's layer count and the longest
-    sample's length (for tests)."""
+    sample's length (for tests). The matrix's memory model of the same step is the caller's to add
+    (`model_arguments`, `model_temp`)."""
     devices = topology_devices(accelerator)
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from marljax import matrix, sharding
+    from marljax import sharding
     from marljax.models.decoder import Decoder
     from marljax.models.presets import PRESETS
     from marljax.config import resolve
@@ -209,8 +211,6 @@ def compile_cell(cell, accelerator: str, *, rows_per_chip: int = 1, attention: s
     from marljax.rl.step import RoleBatch, Trainer
     from marljax.shapes import bucket, length_bucket
 
-    acc = matrix.ACCELERATORS[accelerator]
-    cfg = matrix.cell_config(matrix.estimate(cell, acc), acc)
     model_cfg = dataclasses.replace(PRESETS[cfg.model], dtype=cfg.dtype)
     if layers is not None:
         model_cfg = dataclasses.replace(model_cfg, num_layers=layers)
@@ -292,11 +292,7 @@ def compile_cell(cell, accelerator: str, *, rows_per_chip: int = 1, attention: s
     else:
         mem_terms, accessed = (0, 0, 0, _oom_bytes(oom)), 0.0
     flops = traced_flops(traced.jaxpr) / (data * fsdp * tensor)
-    est = matrix.memory(model_cfg, dtype=cfg.dtype, n_sets=len(policy.sets), n_roles=len(cell.roles),
-                        rank=cfg.lora.rank, mesh=(data, fsdp, tensor), cache_rows=0, cache_len=0,
-                        train_rows=rows_per_chip * chips, train_len=T_long, response_len=R_long)
-    return Compiled(cell=cell.name, model_arguments=est.base + est.lora + est.optimizer,
-                    model_temp=est.grads + est.activations, accelerator=accelerator, mesh=(data, fsdp, tensor),
+    return Compiled(cell=cell.name, accelerator=accelerator, mesh=(data, fsdp, tensor),
                     role=role, rows=rows_per_chip * chips, length=T_long, response=R_long, **dict(zip(
                         ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes"), mem_terms)),
                     hbm_bytes=int(acc.hbm_gb * GiB), flops=flops, bytes_accessed=accessed,
@@ -309,8 +305,8 @@ def _model_flops(model_cfg, lora_cfg, batches) -> float:
     from bench.flops import train_flops  # the repository's FLOP counter (run from a checkout)
     prompts, responses = [], []
     for b in batches.values():
-        rows, t = b.tokens_nt.shape
-        r = b.resp_mask_nr.shape[1]
+        rows, t = b.tokens_bt.shape
+        r = b.resp_mask_br.shape[1]
         prompts += [t - 1 - r] * rows
         responses += [r] * rows
     kw = {} if lora_cfg is None else {"lora_rank": lora_cfg.rank, "lora_layers": lora_cfg.layers}

@@ -44,6 +44,7 @@ from marljax.config import Config, resolve, to_dict
 from marljax.models.decoder import LINEAR_AXES, ModelConfig
 from marljax.models.logprobs import LOGPROB_CHUNK
 from marljax.models.presets import PRESETS
+from marljax.rl.policy_map import from_config
 from marljax.shapes import bucket, bucket_rows, length_bucket
 from marljax.sharding import MeshConfig
 from marljax.workflows import get_workflow, paper_limits, workflow_class
@@ -318,12 +319,18 @@ def _train_seconds(cell: Cell, cfg: ModelConfig, acc: Accelerator) -> float:
     return flops / (acc.chips * acc.tflops * 1e12 * MFU)
 
 
+def longest_row(cell: Cell) -> int:
+    """Packed positions of the cell's longest sample (longest prompt + the response cap): one such row per
+    data-parallel chip is the train step the memory model sizes, and the cell's `rl.micro_batch_tokens`."""
+    return max(length_bucket(s.prompt + cell.max_response + 1) for s in cell.stages())
+
+
 def estimate(cell: Cell, acc: Accelerator, steps: int = STEPS) -> Estimate:
     cfg = PRESETS[cell.model]
     mesh = choose_mesh(cfg, acc)
     data, fsdp, tensor = mesh
     r = cell.max_response
-    longest = max(length_bucket(s.prompt + r + 1) for s in cell.stages())
+    longest = longest_row(cell)
     fixed = memory(cfg, dtype=acc.dtype, n_sets=cell.n_sets, n_roles=len(cell.roles), rank=LORA_RANK,
                    mesh=mesh, cache_rows=0, cache_len=0, train_rows=data * fsdp, train_len=longest,
                    response_len=r)
@@ -350,7 +357,8 @@ def estimate(cell: Cell, acc: Accelerator, steps: int = STEPS) -> Estimate:
 # ---- configs and plan -----------------------------------------------------------------------------
 def cell_config(est: Estimate, acc: Accelerator, data_root: str = "data") -> Config:
     """The run config of a cell: the paper's settings (the config's defaults, resolved for the cell's task
-    and workflow) with the cell's choices, the estimate's mesh and KV cap."""
+    and workflow) with the cell's choices, the estimate's mesh and KV cap, and micro-batches of at most one
+    longest row per data-parallel chip."""
     c, cfg = est.cell, Config()
     cfg.model, cfg.dtype, cfg.policy, cfg.steps = c.model, acc.dtype, c.policy, est.steps
     cfg.run_dir = f"runs/matrix/{c.name}"
@@ -358,6 +366,7 @@ def cell_config(est: Estimate, acc: Accelerator, data_root: str = "data") -> Con
     cfg.task.path = f"{data_root}/{'dapo-math-17k' if c.task == 'math' else 'deepcoder'}"
     cfg.workflow.name = c.workflow
     cfg.sampling.max_cache_tokens = est.max_cache_tokens
+    cfg.rl.micro_batch_tokens = longest_row(c)
     data, fsdp, tensor = est.mesh
     cfg.mesh = MeshConfig(data=data, fsdp=fsdp, tensor=tensor, rules="auto", lora="sharded")
     return resolve(cfg)
@@ -445,14 +454,29 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{len(estimates)} configs and plan.md in {out}", file=sys.stderr)
 
 
+def with_memory_model(r, cell: Cell, cfg: Config):
+    """A compiled cell (`aot.Compiled`) with this module's memory model of the same step beside it."""
+    data, fsdp, tensor = r.mesh
+    est = memory(dataclasses.replace(PRESETS[cfg.model], dtype=cfg.dtype), dtype=cfg.dtype,
+                 n_sets=len(from_config(cfg.policy, cell.roles).sets), n_roles=len(cell.roles),
+                 rank=cfg.lora.rank, mesh=(data, fsdp, tensor), cache_rows=0, cache_len=0,
+                 train_rows=r.rows, train_len=r.length, response_len=r.response)
+    return dataclasses.replace(r, model_arguments=est.base + est.lora + est.optimizer,
+                               model_temp=est.grads + est.activations)
+
+
 def _aot(chosen: list[Cell], args) -> int:
     """Compile every chosen cell for the topology, printing rows as they come; 1 if one does not fit."""
     from marljax import aot
     results = []
     for i, c in enumerate(chosen):
         try:
-            results.append(aot.compile_cell(c, args.aot, rows_per_chip=args.aot_rows,
-                                            attention=args.aot_attention, logprob_chunk=args.aot_logprob_chunk))
+            aot.topology_devices(args.aot)  # an unknown topology or no libtpu: AotError naming the fix
+            acc = ACCELERATORS[args.aot]
+            cfg = cell_config(estimate(c, acc), acc)
+            r = aot.compile_cell(c, cfg, args.aot, acc, rows_per_chip=args.aot_rows,
+                                 attention=args.aot_attention, logprob_chunk=args.aot_logprob_chunk)
+            results.append(with_memory_model(r, c, cfg))
         except aot.AotError as e:
             print(f"python -m marljax.matrix: {e}", file=sys.stderr)
             return 2

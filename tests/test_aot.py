@@ -20,8 +20,9 @@ def test_aot_names_the_topologies_it_knows(capsys):
 
 
 def test_cpu_runs_stay_on_the_cpu_with_libtpu_installed():
-    """The test session's (and its subprocesses') jax runs on the CPU and keeps host memory, libtpu or not."""
-    out = subprocess.run([sys.executable, "-c", "import marljax, jax; from marljax import host_memory; "
+    """The test session's (and its subprocesses') jax runs on the CPU and an entry point that opts in keeps host memory,
+    libtpu or not."""
+    out = subprocess.run([sys.executable, "-c", "from marljax import host_memory; host_memory.retain(); import jax; "
                           "print(jax.default_backend(), host_memory.state)"],
                          env={**os.environ, "MARLJAX_HOST_MALLOC": "auto"}, capture_output=True, text=True,
                          check=True)
@@ -41,7 +42,9 @@ def test_long_context_train_step_compiles_for_v5e_with_linear_temp_memory():
     runs = {}
     for T in (4096, 8192):
         t0 = time.perf_counter()
-        runs[T] = aot.compile_cell(cell, "v5e-8", layers=2, length=T)
+        acc = matrix.ACCELERATORS["v5e-8"]
+        runs[T] = aot.compile_cell(cell, matrix.cell_config(matrix.estimate(cell, acc), acc), "v5e-8", acc,
+                                   layers=2, length=T)
         print(f"T={T}: temp {runs[T].temp_bytes / 2**20:.0f} MiB, total {runs[T].total_bytes / 2**20:.0f} MiB, "
               f"{runs[T].flops / 1e12:.2f} TFLOP/chip (model {runs[T].model_flops / 1e12:.2f}), "
               f"{time.perf_counter() - t0:.0f} s")
