@@ -45,7 +45,7 @@ def _run(route, budget, **kw):
                                        damping_lambda=0.3, role_weighting="inverse_norm")])
 def test_micro_batched_update_equals_the_single_call(policy, mode):
     params0, rec0 = _run(ROUTES[policy], 0, **mode)
-    for budget in (64, 160, 640):
+    for budget in (64, 400):
         params, rec = _run(ROUTES[policy], budget, **mode)
         assert rec.keys() == rec0.keys()
         for k, v in rec0.items():
@@ -66,12 +66,3 @@ def test_micro_batches_respect_the_budget_and_keep_every_sample_once():
         assert all(packed_tokens(mb) <= budget or len(mb) == 1 for mb in mbs)
     assert len(micro_batches(samples, 1)) == len(samples)  # each sample alone when none fits
     assert micro_batches(samples, 0) == [samples] and len(micro_batches(samples, 10_000)) == 1
-
-
-def test_a_dropped_normaliser_would_be_caught():
-    """The comparison can fail: micro-batches whose gradients are averaged instead of summed differ."""
-    params0, rec0 = _run(ROUTES["isolated"], 0, minibatch="balanced")
-    _, rec = _run(ROUTES["isolated"], 64, minibatch="balanced")
-    assert rec["role/generator/grad_norm"] == pytest.approx(rec0["role/generator/grad_norm"], rel=1e-5)
-    n = len(micro_batches([s for s in _samples() if s.role == "generator"], 64))
-    assert rec0["role/generator/grad_norm"] / n != pytest.approx(rec0["role/generator/grad_norm"], rel=1e-3)
