@@ -112,10 +112,14 @@ def _mismatch(where: pathlib.Path, step: int):
     try:
         yield
     except (ValueError, KeyError, TypeError) as e:
+        lines = str(e).strip().splitlines()  # Orbax appends a diff of the whole tree: keep its head
+        why = "\n".join(x if len(x) <= 200 else x[:200] + " …" for x in lines[:6])
+        why += f"\n… ({len(lines) - 6} more lines)" if len(lines) > 6 else ""
         raise ValueError(
             f"Checkpoint {where}/{step} does not match this run's config (model, policy map, "
-            f"LoRA settings must be the same as when it was written): {e}. Use a new run_dir, or "
-            "the config the run was started with (RUN_DIR/config.yaml).") from e
+            f"LoRA settings must be the same as when it was written, and a checkpoint written before the "
+            f"TrainState layout of params/opt_state/ema/step does not restore): {why}\nUse a new run_dir, "
+            "or the config the run was started with (RUN_DIR/config.yaml).") from e
 
 
 def _save(manager: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None:

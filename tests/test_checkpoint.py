@@ -30,3 +30,24 @@ def test_peak_survives_retention_and_resume(tmp_path):
     ck.discard_peaks_after(None)  # a fresh start (no checkpoint) clears them all
     assert ck.peak_step() is None
     ck.close()
+
+
+def test_a_checkpoint_of_another_layout_fails_with_a_short_message(tmp_path):
+    """A state saved in the pre-TrainState layout ({params, opt, ema}) does not restore into today's; the error
+    names the fix and keeps only the head of Orbax's tree diff."""
+    import jax.numpy as jnp
+    import pytest
+
+    from marljax.rl.state import TrainState
+
+    ck = Checkpointer(tmp_path, every=1, keep=1)
+    old = {"params": {"s": {"w": np.zeros((2,), np.float32)}}, "opt": {"s": {f"m{i}": np.zeros((2,), np.float32)
+                                                                            for i in range(40)}}, "ema": {}}
+    ck.save(1, old, {"step": 1})
+    target = TrainState(params={"s": {"w": jnp.zeros((2,))}}, opt_state={"s": {"m": jnp.zeros((2,))}}, ema={},
+                        step=jnp.zeros((), jnp.int32))
+    with pytest.raises(ValueError, match="does not match this run's config") as e:
+        ck.restore(target)
+    msg = str(e.value)
+    assert "new run_dir" in msg and len(msg.splitlines()) <= 9 and len(msg) < 2000, msg  # Orbax's own: 13 lines, 9k chars
+    ck.close()
