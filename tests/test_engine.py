@@ -12,7 +12,8 @@ from marljax.engine.kv_pages import PagePool
 from marljax.engine.paged_attention import paged_attention, write_pages
 from marljax.models.attention import attention
 from marljax.models.decoder import Decoder, ModelConfig
-from marljax.sampling import SamplingParams, generate
+from marljax.sampling import SamplingParams
+from marljax.static_sampler import generate_static as generate
 
 CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, rope_theta=10_000.0, tie_embeddings=False)

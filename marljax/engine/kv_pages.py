@@ -45,6 +45,13 @@ def copy_pages(pages: list[dict], src, dst) -> list[dict]:
     return [{name: a.at[dst].set(a[src]) for name, a in layer.items()} for layer in pages]
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def grow_pages(pages: list[dict], extra: int) -> list[dict]:
+    """The pool with `extra` zeroed pages appended (page ids are kept)."""
+    return [{name: jnp.concatenate([a, jnp.zeros((extra,) + a.shape[1:], a.dtype)]) for name, a in layer.items()}
+            for layer in pages]
+
+
 class PagePool:
     """Host-side allocator over pages 1 … num_pages − 1 with reference counts; tracks the peak in use."""
 
@@ -63,6 +70,12 @@ class PagePool:
     @property
     def in_use(self) -> int:
         return self.num_pages - 1 - len(self.free_list)
+
+    def grow(self, num_pages: int) -> None:
+        """Pages num_pages_before … num_pages − 1 become free (handed out after the free ones)."""
+        self.free_list = list(range(num_pages - 1, self.num_pages - 1, -1)) + self.free_list
+        self.refs += [0] * (num_pages - self.num_pages)
+        self.num_pages = num_pages
 
     def alloc(self, n: int) -> list[int]:
         """n fresh pages (reference count 1); RuntimeError when fewer are free (the scheduler reserves

@@ -77,23 +77,33 @@ class Scheduler:
         self.logprobs: list[list[float]] = []
         self.hit: list[bool] = []
         self.prefill_tokens = 0  # prompt tokens prefilled (real, not padding)
+        self.finished: list[int] = []  # requests finished since `take_finished`
 
     # ---- requests ------------------------------------------------------------------------------
-    def submit(self, prompts: list[list[int]]) -> None:
-        for p in prompts:
-            prompt = tuple(p)
-            need = self._prefix_pages(len(prompt)) + self._own_worst(len(prompt))
-            if need > self.pool.num_pages - 1:
-                raise ValueError(f"a prompt of {len(prompt)} tokens + max_new_tokens {self.max_new} needs "
-                                 f"{need} pages of {self.page_size}; the pool has {self.pool.num_pages - 1}.")
-            r = len(self.prompts)
-            self.waiting.append(r)
-            self.prompts.append(prompt)
-            self.tokens.append([])
-            self.logprobs.append([])
-            self.hit.append(False)
-            prefix = self.prefixes.setdefault(self._key(r), Prefix(prompt, [], None, 0))
-            prefix.waiting += 1
+    @property
+    def submitted(self) -> int:
+        return len(self.prompts)
+
+    def submit(self, prompt: list[int]) -> int:
+        """Queue a request; its id (submission order)."""
+        r = len(self.prompts)
+        self.waiting.append(r)
+        self.prompts.append(tuple(prompt))
+        self.tokens.append([])
+        self.logprobs.append([])
+        self.hit.append(False)
+        prefix = self.prefixes.setdefault(self._key(r), Prefix(tuple(prompt), [], None, 0))
+        prefix.waiting += 1
+        return r
+
+    def worst_pages(self, prompt_len: int) -> int:
+        """Pages one request with a prompt of `prompt_len` tokens may hold at most, sharing nothing."""
+        return self._prefix_pages(prompt_len) + self._own_worst(prompt_len)
+
+    def take_finished(self) -> list[int]:
+        """Requests finished since the last call."""
+        done, self.finished = self.finished, []
+        return done
 
     def _key(self, request: int):
         return self.prompts[request] if self.share else request
@@ -115,6 +125,19 @@ class Scheduler:
     def _reserved(self) -> int:
         """Pages the running sequences may still take."""
         return sum(self._own_worst(len(q.prefix.prompt)) - len(q.own_pages) for _, q in self.running)
+
+    def demand(self) -> int:
+        """Pages in use, plus what the running sequences may still take, plus what admitting waiting
+        requests into every free slot needs at worst: the pool that admits them all now."""
+        need, fresh = self.pool.in_use + self._reserved(), set()
+        free_slots = sum(q is None for q in self.slots)
+        for r in self.waiting[:free_slots]:
+            prefix = self.prefixes[self._key(r)]
+            need += self._own_worst(len(prefix.prompt))
+            if not prefix.full_pages and prefix.partial_page is None and id(prefix) not in fresh:
+                fresh.add(id(prefix))
+                need += self._prefix_pages(len(prefix.prompt))
+        return need
 
     # ---- admission -----------------------------------------------------------------------------
     def admit(self) -> Admission:
@@ -173,6 +196,7 @@ class Scheduler:
 
     def _finish(self, slot: int) -> None:
         self.pool.release(self.slots[slot].pages)
+        self.finished.append(self.slots[slot].request)
         self.slots[slot] = None
 
     # ---- decode chunks -------------------------------------------------------------------------
