@@ -6,7 +6,8 @@ that `marljax.sharding` maps onto a device mesh; activations are constrained by 
 (`marljax.sharding.constrain`, a no-op without a mesh).
 
 The forward pass optionally takes LoRA adapters as a plain pytree (`lora`), so one frozen base serves
-any number of adapter sets (one per parameter set of the role map), and a KV cache for sampling.
+any number of adapter sets (one per parameter set of the role map), and a KV cache for sampling; with a
+cache, one batch may mix the sets, each row applying its own (`hidden`'s `lora_groups`).
 
 Shape suffixes, the one legend of the package: an array's name ends in one lower-case letter per axis,
 in order (`q_bthd` is [B, T, H, D]); docstrings and comments write the same letters upper-case. The
@@ -179,8 +180,11 @@ def grouped_lora_delta(x_ni, a_gir, b_gro, groups_g):
     """(x A[g]) B[g] in float32 for each token n of set g: tokens sorted by set, `groups_g` int32 [G] of
     them per set (N ≥ their sum; the tokens past it get 0). Two `jax.lax.ragged_dot`s, x A[g] in the
     compute dtype as the single-set branch's; the padding is zeroed explicitly, as backends' kernels need
-    not write rows outside every group. Chosen over gathering each token's A and B and over every set's
-    delta masked by measurement (bench/lora_rows.py, docs/benchmarks.md "Per-row LoRA")."""
+    not write rows outside every group. TPU and GPU lower ragged_dot to XLA's ragged-dot instruction (a
+    grouped matmul: each token's own set only); CPU expands it to every set on masked tokens (G× the
+    adapter FLOPs), which at decode shapes still beats gathering each row's A and B (B copies of the
+    adapters) and ties with masking every set's delta; gathering wins only for few long rows (prefill):
+    bench/lora_rows.py, docs/benchmarks.md "Per-row LoRA"."""
     h_nr = jax.lax.ragged_dot(x_ni, a_gir, groups_g)
     d_no = jax.lax.ragged_dot(h_nr, b_gro, groups_g, preferred_element_type=jnp.float32)
     real_n = jnp.arange(x_ni.shape[0]) < jnp.sum(groups_g)

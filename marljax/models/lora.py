@@ -2,7 +2,9 @@
 
 An adapter set is `{target: {"a": [L, *in, r], "b": [L, r, *out]}}` for the targeted linear maps of
 every layer; the decoder adds `scale · (x A) B` (scale = alpha / rank). One frozen base serves any
-number of sets, so Isolated-Policy costs one adapter per role, not one model per role.
+number of sets, so Isolated-Policy costs one adapter per role, not one model per role; `stack_adapters`
+puts G sets on a leading axis so that one batch's rows each apply their own (`Decoder.hidden`'s
+`lora_groups`).
 
 Own implementation rather than qwix: our layers are stacked einsums over a scanned layer axis, which
 qwix's module-interception LoRA does not target; the adapter math is a few lines and this keeps the
