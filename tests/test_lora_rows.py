@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from marljax.engine.kv_pages import init_pages
+from marljax.engine.paged_attention import paged_cache_attention
 from marljax.models.decoder import init_cache
 from marljax.models.lora import LoRAConfig, init_lora, stack_adapters
 from marljax.sampling import layer_weights
@@ -20,6 +22,7 @@ LORA = LoRAConfig(rank=4, alpha=8)
 GROUPS = (3, 0, 2)  # rows per set, sorted by set
 PAD = 3  # padding rows after the sets
 P = 6  # prompt tokens (the cached prefill), then one decode step
+PAGE = 4  # positions per KV page: two pages hold a row's P + 1
 
 
 def adapters(config, n=len(GROUPS), lc=LORA, b_scale=0.3):
@@ -32,12 +35,19 @@ def adapters(config, n=len(GROUPS), lc=LORA, b_scale=0.3):
     return out
 
 
-@functools.partial(jax.jit, static_argnames="lora_scale")
-def run(model, tokens_bt, **kw):
+@functools.partial(jax.jit, static_argnames=("lora_scale", "paged"))
+def run(model, tokens_bt, paged=False, **kw):
     """Hidden states of a cached prefill of `tokens_bt` [B, P] and of one decode step after it ([B, P + 1, E]),
-    and their logits."""
+    and their logits. `paged`: the rollout engine's KV pages (row b in pages 2b + 1, 2b + 2) instead of a
+    dense cache."""
     B = tokens_bt.shape[0]
-    h_pre, cache = model.hidden(tokens_bt[:, :-1], cache=init_cache(model.config, B, P + 1), **kw)
+    if paged:
+        cache = init_pages(model.config, 2 * B + 1, PAGE)
+        kw["cache_attention"] = paged_cache_attention(jnp.arange(1, 2 * B + 1, dtype=jnp.int32).reshape(B, 2))
+    else:
+        cache = init_cache(model.config, B, P + 1)
+    pos_bt = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    h_pre, cache = model.hidden(tokens_bt[:, :-1], pos_bt, cache=cache, **kw)
     pos_b1 = jnp.full((B, 1), P, jnp.int32)
     h_dec, _ = model.hidden(tokens_bt[:, -1:], pos_b1, cache=cache, **kw)
     h = jnp.concatenate([h_pre, h_dec], axis=1)
@@ -56,8 +66,8 @@ def set_rows():
         slice(starts[-1], starts[-1] + PAD)
 
 
-def grouped(model, tokens, ads):
-    return run(model, tokens, lora=stack_adapters(ads), lora_scale=LORA.scale,
+def grouped(model, tokens, ads, paged=False):
+    return run(model, tokens, paged, lora=stack_adapters(ads), lora_scale=LORA.scale,
                lora_groups=jnp.asarray(GROUPS, jnp.int32))
 
 
@@ -75,6 +85,15 @@ def test_each_row_applies_its_own_set():
         assert float(jnp.abs(z[rows] - z_base[rows]).max()) > 0.1  # the set's adapter moves the logits
     h_base, _ = run(model, tokens[pad])  # padding rows: the base, no adapter
     np.testing.assert_allclose(h[pad], h_base, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_pages_equal_the_dense_cache():
+    """Through `cache_attention` (the engine's paged KV) per-row LoRA gives the dense cache's rows."""
+    model = _tiny()
+    tokens, ads = batch(model.config, seed=2), adapters(model.config)
+    h_paged, _ = grouped(model, tokens, ads, paged=True)
+    h_dense, _ = grouped(model, tokens, ads)
+    np.testing.assert_allclose(h_paged, h_dense, atol=1e-5, rtol=1e-5)
 
 
 def test_partial_layer_adapters_and_only_the_last_set():
