@@ -262,7 +262,7 @@ class Decoder(nnx.Module):
         (`lora.stack_adapters`: a [G, n, *in, r], b [G, n, r, *out]) and `lora_groups` (int32 [G], traced)
         says how many rows each set has: rows are sorted by set (rows 0 … g0 − 1 set 0, then set 1, …),
         every row adds its own set's scale·(x A) B to the shared base weights (no merged copy per set),
-        and the rows past sum(lora_groups) (padding) run the base alone.
+        and the rows past sum(lora_groups) ≤ B (padding) run the base alone.
         """
         c = self.config
         B, T = tokens_bt.shape
