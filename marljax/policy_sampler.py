@@ -34,6 +34,7 @@ class SamplerSettings:
     stop_token_ids: tuple[int, ...]
     max_cache_tokens: int  # KV positions the engine's page pool holds; 0: grows as needed
     num_slots: int = 64  # sequences decoded at once
+    mix_sets: bool = False  # LoRA sets decode in one batch, each row applying its own adapter
 
     def params(self, temperature: float, seed: int = 0) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=temperature, top_p=self.top_p,
@@ -90,7 +91,9 @@ class PolicySampler:
 class PolicyStream:
     """Requests from any parameter set, each decoded from the moment it is submitted: one engine stream
     per set (its folded weights), the busy ones stepped in turn, a decode chunk each, until some request
-    is done. A request drawn with `seed` gives the same output whatever else is in flight."""
+    is done; or, with `mix_sets` (LoRA), one stream whose rows each apply their own set's adapter to the
+    base. A request drawn with `seed` gives the same output whatever else is in flight (up to float
+    rounding between the two modes: merged weights vs the adapter applied per row)."""
 
     def __init__(self, sampler: PolicySampler, temperature: float):
         self.sampler, self.params = sampler, sampler.settings.params(temperature)
@@ -101,12 +104,21 @@ class PolicyStream:
 
     def submit(self, set_name: str, prompt: list[int], seed: int) -> int:
         """Queue one request of set `set_name` drawn from key(seed); returns its ticket."""
-        if set_name not in self.streams:
-            layers = self.sampler.weights(set_name)
-            self.streams[set_name] = self.sampler.engine(set_name).stream(self.params, layers=layers)
+        sampler = self.sampler
+        mixed = sampler.settings.mix_sets and sampler.lora_scale is not None
+        name, group = ("", sorted(sampler.params_by_set).index(set_name)) if mixed else (set_name, 0)
+        if name not in self.streams:
+            with sharding.use_mesh(sampler.mesh, sampler.rules):
+                if mixed:
+                    self.streams[name] = sampler.engine(set_name).stream(
+                        self.params, adapters=[sampler.params_by_set[s] for s in sorted(sampler.params_by_set)],
+                        lora_scale=sampler.lora_scale)
+                else:
+                    self.streams[name] = sampler.engine(set_name).stream(self.params,
+                                                                         layers=sampler.weights(set_name))
         ticket = self.submitted
         self.submitted += 1
-        self.tickets[(set_name, self.streams[set_name].submit(prompt, jax.random.key(seed)))] = ticket
+        self.tickets[(name, self.streams[name].submit(prompt, jax.random.key(seed), group))] = ticket
         return ticket
 
     def poll(self) -> list[tuple[int, tuple[list[int], list[float], bool]]]:

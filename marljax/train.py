@@ -97,7 +97,8 @@ class Policy:
         sp = cfg.sampling
         settings = SamplerSettings(max_new_tokens=sp.max_new_tokens, top_p=sp.top_p, top_k=sp.top_k,
                                    stop_token_ids=tuple(self.codec.stop_token_ids),
-                                   max_cache_tokens=sp.max_cache_tokens)
+                                   max_cache_tokens=sp.max_cache_tokens, num_slots=sp.num_slots,
+                                   mix_sets=sp.mix_sets)
         return PolicySampler(self.model, params, self.lora_cfg.scale if self.lora_cfg else None, self.mesh,
                              self.rules, settings)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,7 @@ from marljax.engine.kv_pages import PagePool, copy_pages, grow_pages, init_pages
 from marljax.engine.paged_attention import paged_cache_attention
 from marljax.engine.scheduler import Scheduler
 from marljax.models.decoder import Decoder
+from marljax.models.lora import stack_adapters
 from marljax.shapes import bucket
 
 
@@ -68,11 +70,16 @@ class Engine:
         self.stats = EngineStats()
         self._spare = None  # a pool no stream holds, reused by the next one
 
-    def stream(self, params: SamplingParams, *, layers: list[dict] | None = None) -> Stream:
-        """A stream decoding with `layers` (per-layer weights, `marljax.sampling.layer_weights`: a LoRA
-        adapter folded in; else the model's own) and `params`' settings; its seed is unused (requests
-        bring their keys)."""
-        return Stream(self, params, self.model.layer_list() if layers is None else layers)
+    def stream(self, params: SamplingParams, *, layers: list[dict] | None = None,
+               adapters: Sequence[dict] | None = None, lora_scale: float = 1.0) -> Stream:
+        """A stream decoding with `params`' settings (its seed is unused: requests bring their keys) and
+        `layers` (per-layer weights, `marljax.sampling.layer_weights`: a LoRA adapter folded in; else the
+        model's own). With `adapters` (G LoRA adapters of one format), every request names its set
+        (`submit(..., group=g)`) and one batch mixes them: each row adds its own adapter's
+        lora_scale·(x A) B to the shared `layers` (`Decoder.hidden`'s `lora_groups`), no merged copy per
+        set."""
+        return Stream(self, params, self.model.layer_list() if layers is None else layers,
+                      None if adapters is None else stack_adapters(adapters), lora_scale)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, layers: list[dict] | None = None
                  ) -> SampleOutput:
@@ -96,8 +103,11 @@ class Engine:
         s = run.sched
         return SampleOutput(tokens=s.tokens, logprobs=s.logprobs, finished=s.hit)
 
-    def _prefill(self, pages, layers, prefixes):
-        """Write each prompt's KV into its prefix's pages; the prompts' last hidden states [n, D]."""
+    def _prefill(self, pages, layers, prefixes, lora):
+        """Write each prompt's KV into its prefix's pages; the prompts' last hidden states [n, D] (in
+        `prefixes`' order). `lora`: the stream's stacked adapters, rows sorted by set."""
+        order = sorted(range(len(prefixes)), key=lambda i: prefixes[i].group)
+        prefixes = [prefixes[i] for i in order]
         n, T = bucket(len(prefixes)), bucket(max(len(p.prompt) for p in prefixes), 16)
         width = pages_for(T, self.page_size)
         tokens_nt = np.zeros((n, T), np.int32)
@@ -108,7 +118,12 @@ class Engine:
             own = p.full_pages + ([p.partial_page] if p.partial_page is not None else [])
             table_nw[i, : len(own)] = own
             last_n[i] = len(p.prompt) - 1
-        return _prefill(self.graphdef, self.state, layers, pages, tokens_nt, table_nw, last_n)
+        if lora is not None:
+            num_sets = jax.tree.leaves(lora["lora"])[0].shape[0]
+            groups_g = np.bincount([p.group for p in prefixes], minlength=num_sets).astype(np.int32)
+            lora = {**lora, "lora_groups": groups_g}
+        pages, hidden_nd = _prefill(self.graphdef, self.state, layers, pages, tokens_nt, table_nw, last_n, lora)
+        return pages, hidden_nd[np.argsort(order)]
 
     def _take_pool(self, num_pages: int) -> list[dict]:
         spare, self._spare = self._spare, None
@@ -120,14 +135,18 @@ class Engine:
 class Stream:
     """Requests decoding on one engine with fixed weights and sampling settings (module docstring)."""
 
-    def __init__(self, engine: Engine, params: SamplingParams, layers: list[dict]):
+    def __init__(self, engine: Engine, params: SamplingParams, layers: list[dict], lora: dict | None,
+                 lora_scale: float):
         self.engine, self.params, self.layers = engine, params, layers
+        num_groups = 1 if lora is None else jax.tree.leaves(lora)[0].shape[0]
+        self.lora = None if lora is None else {"lora": lora, "lora_scale": jnp.float32(lora_scale)}
         cfg, ps = engine.model.config, engine.page_size
         self.growable = not engine.num_pages
         spare = engine._spare[0]["k"].shape[0] if engine._spare is not None else 2
         self.pool = PagePool(engine.num_pages or spare)
         self.pages = engine._take_pool(self.pool.num_pages)
-        self.sched = Scheduler(self.pool, engine.num_slots, ps, params.max_new_tokens, engine.share_prefixes)
+        self.sched = Scheduler(self.pool, engine.num_slots, ps, params.max_new_tokens, engine.share_prefixes,
+                               num_groups)
         self.keys_nk = np.zeros((0, 0), np.uint32)
         self.stops = tuple(sorted(set(params.stop_token_ids))) or (-1,)
         self.sampling = dict(temperature=float(params.temperature), top_p=float(params.top_p),
@@ -138,9 +157,9 @@ class Stream:
     def idle(self) -> bool:
         return self.sched.idle
 
-    def submit(self, prompt: list[int], key) -> int:
-        """Queue one request drawn with `key` (a typed PRNG key or its raw key data); returns its id
-        (0, 1, … in submission order)."""
+    def submit(self, prompt: list[int], key, group: int = 0) -> int:
+        """Queue one request of parameter set `group` (with `adapters`; else 0) drawn with `key` (a typed
+        PRNG key or its raw key data); returns its id (0, 1, … in submission order)."""
         cfg, max_new = self.engine.model.config, self.params.max_new_tokens
         if not prompt:
             raise ValueError("submit() got an empty prompt; every prompt needs at least one token.")
@@ -160,7 +179,7 @@ class Stream:
                 grown[: len(self.keys_nk)] = self.keys_nk
             self.keys_nk = grown
         self.keys_nk[self.sched.submitted] = key
-        return self.sched.submit(prompt)
+        return self.sched.submit(prompt, group)
 
     def result(self, request: int) -> tuple[list[int], list[float], bool]:
         """A request's generated ids, their logprobs, and whether it hit a stop token."""
@@ -174,7 +193,7 @@ class Stream:
             self._grow(sched.demand())
         adm = sched.admit()
         if adm.prefill:
-            self.pages, hidden_nd = e._prefill(self.pages, self.layers, adm.prefill)
+            self.pages, hidden_nd = e._prefill(self.pages, self.layers, adm.prefill, self.lora)
             for i, prefix in enumerate(adm.prefill):
                 prefix.hidden = hidden_nd[i]
             stats.prefill_calls += 1
@@ -193,9 +212,10 @@ class Stream:
             width = bucket(sched.grow(e.chunk_steps))
             rows = min(bucket(len(sched.running)), e.num_slots)
             b = sched.batch(rows, width)
+            lora = None if self.lora is None else {**self.lora, "lora_groups": b["groups"]}
             self.pages, out = _decode_chunk(
                 e.graphdef, e.state, self.layers, self.pages, b["page_table"], b["token"], b["pos"], b["n_gen"],
-                b["live"], self.keys_nk[b["request"]], jnp.int32(self.params.max_new_tokens),
+                b["live"], self.keys_nk[b["request"]], jnp.int32(self.params.max_new_tokens), lora,
                 steps=e.chunk_steps, stops=self.stops, **self.sampling)
             out = jax.tree.map(np.asarray, out)
             stats.decode_chunks += 1
@@ -223,12 +243,12 @@ class Stream:
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-def _prefill(graphdef, state, layers, pages, tokens_nt, table_nw, last_n):
+def _prefill(graphdef, state, layers, pages, tokens_nt, table_nw, last_n, lora):
     model = nnx.merge(graphdef, state)
     n, T = tokens_nt.shape
     positions_nt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (n, T))
     h_ntd, pages = model.hidden(tokens_nt, positions_nt, cache=pages, layers=layers,
-                                cache_attention=paged_cache_attention(table_nw))
+                                cache_attention=paged_cache_attention(table_nw), **(lora or {}))
     return pages, jnp.take_along_axis(h_ntd, last_n[:, None, None], axis=1)[:, 0]
 
 
@@ -241,11 +261,12 @@ def _first_tokens(graphdef, state, hidden_md, keys_mk, *, temperature, top_p, to
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3,
                    static_argnames=("steps", "temperature", "top_p", "top_k", "stops"))
-def _decode_chunk(graphdef, state, layers, pages, table_sw, token_s, pos_s, n_gen_s, live_s, keys_sk, max_new, *,
-                  steps, temperature, top_p, top_k, stops):
+def _decode_chunk(graphdef, state, layers, pages, table_sw, token_s, pos_s, n_gen_s, live_s, keys_sk, max_new, lora,
+                  *, steps, temperature, top_p, top_k, stops):
     """Up to `steps` decode steps over every slot (fewer when all are done). A slot stops on a stop token
     or at max_new tokens; a done slot keeps rewriting its last position with the token it read there
-    (inside its own pages), so it never writes past what the scheduler gave it."""
+    (inside its own pages), so it never writes past what the scheduler gave it. `lora`: None, or the
+    stream's stacked adapters with the rows of each set ({"lora", "lora_scale", "lora_groups"})."""
     model = nnx.merge(graphdef, state)
     S = token_s.shape[0]
     stop_ids = jnp.asarray(stops, jnp.int32)
@@ -256,7 +277,7 @@ def _decode_chunk(graphdef, state, layers, pages, table_sw, token_s, pos_s, n_ge
 
     def body(c):
         h, pages = model.hidden(c["token"][:, None], c["pos"][:, None], cache=c["pages"], layers=layers,
-                                cache_attention=attend)
+                                cache_attention=attend, **(lora or {}))
         tok, logp = sample_rows(model.logits(h[:, 0]), keys_sk, c["n_gen"], temperature, top_p, top_k)
         active = ~c["done"]
         hit = active & jnp.isin(tok, stop_ids)

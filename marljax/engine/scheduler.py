@@ -28,6 +28,7 @@ class Prefix:
     """A prompt prefilled once: its pages (one reference held here until its last member is admitted)."""
 
     prompt: tuple[int, ...]
+    group: int  # the parameter set its KV was computed with
     full_pages: list[int]
     partial_page: int | None
     waiting: int  # members not yet admitted
@@ -66,12 +67,15 @@ class Admission:
 class Scheduler:
     """See the module docstring. Request ids are the prompts' indices in `submit` order."""
 
-    def __init__(self, pool: PagePool, num_slots: int, page_size: int, max_new: int, share_prefixes: bool):
+    def __init__(self, pool: PagePool, num_slots: int, page_size: int, max_new: int, share_prefixes: bool,
+                 num_groups: int = 1):
         self.pool, self.page_size, self.max_new = pool, page_size, max_new
         self.share = share_prefixes
         self.slots: list[Sequence | None] = [None] * num_slots
         self.waiting: list[int] = []
         self.prompts: list[tuple[int, ...]] = []
+        self.groups: list[int] = []  # each request's parameter set (0 … num_groups − 1)
+        self.num_groups = num_groups
         self.prefixes: dict = {}  # key (prompt, or request id without sharing) -> Prefix not fully admitted
         self.tokens: list[list[int]] = []
         self.logprobs: list[list[float]] = []
@@ -84,15 +88,18 @@ class Scheduler:
     def submitted(self) -> int:
         return len(self.prompts)
 
-    def submit(self, prompt: list[int]) -> int:
-        """Queue a request; its id (submission order)."""
+    def submit(self, prompt: list[int], group: int = 0) -> int:
+        """Queue a request of parameter set `group`; its id (submission order)."""
+        if not 0 <= group < self.num_groups:
+            raise ValueError(f"group {group} is not one of the stream's {self.num_groups} parameter sets.")
         r = len(self.prompts)
         self.waiting.append(r)
         self.prompts.append(tuple(prompt))
+        self.groups.append(group)
         self.tokens.append([])
         self.logprobs.append([])
         self.hit.append(False)
-        prefix = self.prefixes.setdefault(self._key(r), Prefix(tuple(prompt), [], None, 0))
+        prefix = self.prefixes.setdefault(self._key(r), Prefix(tuple(prompt), group, [], None, 0))
         prefix.waiting += 1
         return r
 
@@ -106,7 +113,7 @@ class Scheduler:
         return done
 
     def _key(self, request: int):
-        return self.prompts[request] if self.share else request
+        return (self.groups[request], self.prompts[request]) if self.share else request
 
     def _prefix_pages(self, prompt_len: int) -> int:
         return pages_for(prompt_len, self.page_size)
@@ -116,7 +123,9 @@ class Scheduler:
 
     @property
     def running(self) -> list[tuple[int, Sequence]]:
-        return [(s, q) for s, q in enumerate(self.slots) if q is not None]
+        """(slot, sequence) of the running sequences, grouped by parameter set (the order of a decode
+        chunk's rows: per-row adapters need rows sorted by set), then by slot."""
+        return sorted(((s, q) for s, q in enumerate(self.slots) if q is not None), key=lambda x: x[1].prefix.group)
 
     @property
     def idle(self) -> bool:
@@ -213,14 +222,17 @@ class Scheduler:
         return widest
 
     def batch(self, rows: int, width: int) -> dict[str, np.ndarray]:
-        """The running sequences, in slot order, as the first of `rows` rows for a decode chunk (the rest
-        idle): page tables [rows, width] (null-padded), next input token, its position, tokens generated
-        so far, request id (its RNG stream) and liveness. Rows, not slots: a chunk computes only as many
-        rows as are running (rounded up by the engine), so the tail of a call runs at a small batch."""
+        """The running sequences, in `running` order, as the first of `rows` rows for a decode chunk (the
+        rest idle): page tables [rows, width] (null-padded), next input token, its position, tokens
+        generated so far, request id (its RNG stream), liveness, and the rows of each parameter set
+        ("groups" [num_groups]). Rows, not slots: a chunk computes only as many rows as are running
+        (rounded up by the engine), so the tail of a call runs at a small batch."""
         out = {"page_table": np.full((rows, width), NULL_PAGE, np.int32), "token": np.zeros(rows, np.int32),
                "pos": np.zeros(rows, np.int32), "n_gen": np.zeros(rows, np.int32),
-               "request": np.zeros(rows, np.int32), "live": np.zeros(rows, bool)}
+               "request": np.zeros(rows, np.int32), "live": np.zeros(rows, bool),
+               "groups": np.zeros(self.num_groups, np.int32)}
         for r, (_, q) in enumerate(self.running):
+            out["groups"][q.prefix.group] += 1
             out["page_table"][r, : len(q.pages)] = q.pages
             out["token"][r], out["pos"][r], out["n_gen"][r] = q.token, q.pos, q.n_gen
             out["request"][r], out["live"][r] = q.request, True
