@@ -195,3 +195,32 @@ def test_sets_decode_together_with_per_row_adapters(model):
     assert len(outs) > 3  # the sets differ
     with pytest.raises(ValueError, match="group 3"):
         run.submit([1, 2], np.zeros(2, np.uint32), group=3)
+
+
+def test_prefix_cache_reuses_an_earlier_prompts_pages(model):
+    """Eval-Opt's growing chat: a later prompt that starts with an earlier (finished) prompt's full pages
+    reuses them and prefills only the rest; its tokens and logprobs equal an engine without the cache.
+    A pool too small to keep the cache evicts it, outputs unchanged."""
+    first = list(range(30, 45))  # 3 full pages of 4 + 3 tokens
+    later = first[:12] + [7, 8, 9, 10, 11]  # the history's 3 full pages, then new messages
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+    engine = Engine(model, num_slots=2, page_size=4, chunk_steps=8)
+    run = engine.stream(sp)
+    a = run.submit(first, np.zeros(2, np.uint32))
+    while not run.idle:
+        run.step()
+    b = run.submit(later, np.zeros(2, np.uint32))
+    while not run.idle:
+        run.step()
+    assert run.stats.cached_tokens == 12 and run.stats.prefill_tokens == len(first) + len(later) - 12
+    fresh = Engine(model, num_slots=2, page_size=4, chunk_steps=8, share_prefixes=False).generate([later], sp)
+    assert run.result(b)[0] == fresh.tokens[0] and run.result(a)[0] != fresh.tokens[0]
+    np.testing.assert_allclose(run.result(b)[1], fresh.logprobs[0], atol=1e-5)
+
+    tight = Engine(model, num_slots=1, page_size=4, chunk_steps=8, num_pages=1 + 7)  # one sequence's worst case
+    out = tight.generate([first, list(range(50, 65)), later], sp)
+    ref = Engine(model, num_slots=1, page_size=4, chunk_steps=8, share_prefixes=False).generate(
+        [first, list(range(50, 65)), later], sp)
+    # the second prompt evicted the least recently used of `first`'s cached pages (leaves first): `later`
+    # finds only the blocks left, and the outputs do not change
+    assert out.tokens == ref.tokens and tight.stats.cached_tokens < 12 and tight.stats.peak_pages <= 7

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from marljax.engine.draw import SampleOutput, SamplingParams, sample_rows
-from marljax.engine.kv_pages import PagePool, copy_pages, grow_pages, init_pages, page_bytes, pages_for
+from marljax.engine.kv_pages import NULL_PAGE, PagePool, copy_pages, grow_pages, init_pages, page_bytes, pages_for
 from marljax.engine.paged_attention import paged_cache_attention
 from marljax.engine.scheduler import Scheduler
 from marljax.models.decoder import Decoder
@@ -45,7 +45,8 @@ from marljax.shapes import bucket
 class EngineStats:
     """Work and memory of the last `generate` call."""
 
-    prefill_tokens: int = 0  # real prompt tokens prefilled (a shared prompt counts once)
+    prefill_tokens: int = 0  # real prompt tokens prefilled (a shared prompt counts once; cached pages none)
+    cached_tokens: int = 0  # prompt tokens whose pages came from the prefix cache
     prefill_calls: int = 0
     decode_chunks: int = 0
     decode_steps: int = 0  # row-steps run (a chunk's rows: the running sequences rounded up)
@@ -108,21 +109,26 @@ class Engine:
         `prefixes`' order). `lora`: the stream's stacked adapters, rows sorted by set."""
         order = sorted(range(len(prefixes)), key=lambda i: prefixes[i].group)
         prefixes = [prefixes[i] for i in order]
-        n, T = bucket(len(prefixes)), bucket(max(len(p.prompt) for p in prefixes), 16)
-        width = pages_for(T, self.page_size)
+        ps = self.page_size
+        start = [p.cached * ps for p in prefixes]  # tokens found in the prefix cache: not prefilled again
+        n, T = bucket(len(prefixes)), bucket(max(len(p.prompt) - s for p, s in zip(prefixes, start)), 16)
+        width = bucket(pages_for(max(start) + T, ps))
         tokens_nt = np.zeros((n, T), np.int32)
+        start_n = np.zeros(n, np.int32)
         table_nw = np.zeros((n, width), np.int32)
         last_n = np.zeros(n, np.int32)
-        for i, p in enumerate(prefixes):
-            tokens_nt[i, : len(p.prompt)] = p.prompt
+        for i, (p, s) in enumerate(zip(prefixes, start)):
+            tokens_nt[i, : len(p.prompt) - s] = p.prompt[s:]
+            start_n[i] = s
             own = p.full_pages + ([p.partial_page] if p.partial_page is not None else [])
             table_nw[i, : len(own)] = own
-            last_n[i] = len(p.prompt) - 1
+            last_n[i] = len(p.prompt) - s - 1
         if lora is not None:
             num_sets = jax.tree.leaves(lora["lora"])[0].shape[0]
             groups_g = np.bincount([p.group for p in prefixes], minlength=num_sets).astype(np.int32)
             lora = {**lora, "lora_groups": groups_g}
-        pages, hidden_nd = _prefill(self.graphdef, self.state, layers, pages, tokens_nt, table_nw, last_n, lora)
+        pages, hidden_nd = _prefill(self.graphdef, self.state, layers, pages, tokens_nt, start_n, table_nw, last_n,
+                                    lora)
         return pages, hidden_nd[np.argsort(order)]
 
     def _take_pool(self, num_pages: int) -> list[dict]:
@@ -196,10 +202,13 @@ class Stream:
             self.pages, hidden_nd = e._prefill(self.pages, self.layers, adm.prefill, self.lora)
             for i, prefix in enumerate(adm.prefill):
                 prefix.hidden = hidden_nd[i]
+            sched.prefilled(adm.prefill)
             stats.prefill_calls += 1
         if adm.copy_src:
-            self.pages = copy_pages(self.pages, jnp.asarray(adm.copy_src, jnp.int32),
-                                    jnp.asarray(adm.copy_dst, jnp.int32))
+            n = bucket(len(adm.copy_src))  # padded with null-page-onto-itself copies: few compiles
+            pad = [NULL_PAGE] * (n - len(adm.copy_src))
+            self.pages = copy_pages(self.pages, np.asarray(adm.copy_src + pad, np.int32),
+                                    np.asarray(adm.copy_dst + pad, np.int32))
         if adm.members:
             rows = bucket(len(adm.members))
             hidden_md = jnp.stack([seq.prefix.hidden for _, seq in adm.members]
@@ -223,6 +232,7 @@ class Stream:
             sched.advance(out["tok"], out["logp"], out["n_gen"], out["token"], out["pos"], out["hit"], out["done"])
         cfg = e.model.config
         stats.prefill_tokens = sched.prefill_tokens
+        stats.cached_tokens = sched.cache.hit_tokens if sched.cache else 0
         stats.generated_tokens = sum(len(t) for t in sched.tokens)
         stats.peak_pages = self.pool.peak_in_use
         stats.peak_kv_bytes = self.pool.peak_in_use * page_bytes(cfg, e.page_size)
@@ -243,10 +253,12 @@ class Stream:
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-def _prefill(graphdef, state, layers, pages, tokens_nt, table_nw, last_n, lora):
+def _prefill(graphdef, state, layers, pages, tokens_nt, start_n, table_nw, last_n, lora):
+    """Row i's tokens at positions start_n[i] …, attending its pages before them too (a cached prefix);
+    the hidden state at row i's token last_n[i]."""
     model = nnx.merge(graphdef, state)
     n, T = tokens_nt.shape
-    positions_nt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (n, T))
+    positions_nt = start_n[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     h_ntd, pages = model.hidden(tokens_nt, positions_nt, cache=pages, layers=layers,
                                 cache_attention=paged_cache_attention(table_nw), **(lora or {}))
     return pages, jnp.take_along_axis(h_ntd, last_n[:, None, None], axis=1)[:, 0]

@@ -11,8 +11,10 @@ Shared prefixes: requests with an identical prompt form one `Prefix`, prefilled 
 (the prompt's full pages plus a template of its last, partial page). Every member shares the full pages
 (refcounted) and writes its continuation into its own copy of the partial page; the last member to be
 admitted takes the template itself. The prefix keeps the prompt's last hidden state, from which each
-member draws its first token with its own key. With `share_prefixes=False` every request is its own
-prefix (one member, no copy).
+member draws its first token with its own key. Prompts also share pages over time: a prompt's full pages
+stay in the prefix cache (`marljax.engine.prefix_cache`) after its requests finish, and a later prompt
+that starts with the same blocks (of the same parameter set) reuses them and is prefilled from there on.
+With `share_prefixes=False` every request is its own prefix (one member, no copy) and nothing is cached.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import dataclasses
 import numpy as np
 
 from marljax.engine.kv_pages import NULL_PAGE, PagePool, pages_for
+from marljax.engine.prefix_cache import PrefixCache
 
 
 @dataclasses.dataclass
@@ -32,6 +35,7 @@ class Prefix:
     full_pages: list[int]
     partial_page: int | None
     waiting: int  # members not yet admitted
+    cached: int = 0  # leading full pages found in the prefix cache (their tokens are not prefilled)
     hidden: object = None  # the prompt's last hidden state [D] (a device array), set after its prefill
 
 
@@ -82,6 +86,7 @@ class Scheduler:
         self.hit: list[bool] = []
         self.prefill_tokens = 0  # prompt tokens prefilled (real, not padding)
         self.finished: list[int] = []  # requests finished since `take_finished`
+        self.cache = PrefixCache(pool, page_size) if share_prefixes else None
 
     # ---- requests ------------------------------------------------------------------------------
     @property
@@ -131,6 +136,21 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
+    def _evictable(self) -> int:
+        return self.cache.evictable() if self.cache else 0
+
+    def _alloc(self, n: int) -> list[int]:
+        """n fresh pages, evicting cached prompt pages no request uses when the free list is short."""
+        if n > self.pool.free and self.cache:
+            self.cache.evict(n - self.pool.free)
+        return self.pool.alloc(n)
+
+    def prefilled(self, prefixes: list[Prefix]) -> None:
+        """The prefixes' pages now hold their prompts' KV: keep their full pages in the prefix cache."""
+        if self.cache:
+            for p in prefixes:
+                self.cache.insert(p.group, p.prompt, p.full_pages)
+
     def _reserved(self) -> int:
         """Pages the running sequences may still take."""
         return sum(self._own_worst(len(q.prefix.prompt)) - len(q.own_pages) for _, q in self.running)
@@ -138,7 +158,7 @@ class Scheduler:
     def demand(self) -> int:
         """Pages in use, plus what the running sequences may still take, plus what admitting waiting
         requests into every free slot needs at worst: the pool that admits them all now."""
-        need, fresh = self.pool.in_use + self._reserved(), set()
+        need, fresh = self.pool.in_use - self._evictable() + self._reserved(), set()
         free_slots = sum(q is None for q in self.slots)
         for r in self.waiting[:free_slots]:
             prefix = self.prefixes[self._key(r)]
@@ -153,7 +173,7 @@ class Scheduler:
         """Fill free slots with waiting requests, in order, while the pool can hold their worst case."""
         adm = Admission([], [], [], [])
         free_slots = [s for s, q in enumerate(self.slots) if q is None]
-        budget = self.pool.free - self._reserved()
+        budget = self.pool.free + self._evictable() - self._reserved()
         while self.waiting and free_slots:
             r = self.waiting[0]
             prefix = self.prefixes[self._key(r)]
@@ -166,11 +186,13 @@ class Scheduler:
             self.waiting.pop(0)
             if fresh:
                 n_full = prompt_len // self.page_size
-                pages = self.pool.alloc(self._prefix_pages(prompt_len))
+                cached = self.cache.lookup(prefix.group, prefix.prompt) if self.cache else []
+                pages = cached + self._alloc(self._prefix_pages(prompt_len) - len(cached))
                 prefix.full_pages = pages[:n_full]
                 prefix.partial_page = pages[n_full] if len(pages) > n_full else None
+                prefix.cached = len(cached)
                 adm.prefill.append(prefix)
-                self.prefill_tokens += prompt_len
+                self.prefill_tokens += prompt_len - len(cached) * self.page_size
             self.pool.retain(prefix.full_pages)
             own = []
             prefix.waiting -= 1
@@ -178,7 +200,7 @@ class Scheduler:
                 if prefix.waiting == 0:  # the last member takes the template page (and its reference)
                     own = [prefix.partial_page]
                 else:
-                    own = self.pool.alloc(1)
+                    own = self._alloc(1)
                     adm.copy_src.append(prefix.partial_page)
                     adm.copy_dst.append(own[0])
             if prefix.waiting == 0:
@@ -217,7 +239,7 @@ class Scheduler:
             last = min(q.pos + steps, q.limit) - 1  # the last position this chunk may write
             short = last // self.page_size + 1 - len(q.pages)
             if short > 0:
-                q.pages += self.pool.alloc(short)
+                q.pages += self._alloc(short)
             widest = max(widest, len(q.pages))
         return widest
 
