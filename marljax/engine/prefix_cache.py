@@ -14,6 +14,7 @@ when the pool needs pages. Exact: blocks are matched on their tokens, never on a
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 from marljax.engine.kv_pages import PagePool
 
@@ -78,14 +79,20 @@ class PrefixCache:
         return sum(self.pool.refs[n.page] == 1 for n in self.nodes.values())
 
     def evict(self, n: int) -> None:
-        """Free n pages held by the cache alone, least recently used leaves first."""
+        """Free n pages held by the cache alone, least recently used leaves first (a parent whose last
+        child goes becomes a leaf)."""
+        refs = self.pool.refs
+        heap = [(x.used, i) for i, x in self.nodes.items() if x.children == 0 and refs[x.page] == 1]
+        heapq.heapify(heap)
         for _ in range(n):
-            leaves = [i for i, x in self.nodes.items() if x.children == 0 and self.pool.refs[x.page] == 1]
-            if not leaves:
+            if not heap:
                 raise RuntimeError(f"prefix cache: {n} pages to evict, none is free of requests.")
-            i = min(leaves, key=lambda i: self.nodes[i].used)
-            node = self.nodes.pop(i)
+            node = self.nodes.pop(heapq.heappop(heap)[1])
             del self.trie[node.key]
-            if node.key[0] >= 0:
-                self.nodes[node.key[0]].children -= 1
             self.pool.release([node.page])
+            parent = node.key[0]
+            if parent >= 0:
+                up = self.nodes[parent]
+                up.children -= 1
+                if up.children == 0 and refs[up.page] == 1:
+                    heapq.heappush(heap, (up.used, parent))
