@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from marljax.engine.kv_pages import PagePool, copy_pages, init_pages, page_bytes, pages_for
+from marljax.engine.kv_pages import PagePool, copy_pages, init_pages, page_bytes, pages_for, pool_pages
 from marljax.engine.paged_attention import paged_cache_attention
 from marljax.engine.scheduler import Scheduler
 from marljax.models.decoder import Decoder
@@ -53,21 +53,23 @@ class EngineStats:
 
 class Engine:
     """See the module docstring. `num_pages` sizes the pool (0 or None: enough for every slot's worst
-    case in each call, plus one page per prompt for shared prefixes)."""
+    case in each call, plus one page per prompt for shared prefixes). `attention`: the paged-attention
+    path (`marljax.engine.paged_attention.PAGED_ATTENTIONS`; auto: the TPU kernel on a TPU)."""
 
     def __init__(self, model: Decoder, *, num_slots: int = 64, page_size: int = 16, num_pages: int | None = None,
-                 chunk_steps: int = 16, share_prefixes: bool = True):
+                 chunk_steps: int = 16, share_prefixes: bool = True, attention: str = "auto"):
         if num_slots < 1 or page_size < 1 or chunk_steps < 1:
             raise ValueError(f"num_slots={num_slots}, page_size={page_size} and chunk_steps={chunk_steps} "
                              "must be ≥ 1.")
         self.model, self.num_slots, self.page_size = model, num_slots, page_size
         self.num_pages, self.chunk_steps, self.share_prefixes = num_pages, chunk_steps, share_prefixes
+        self.attention = attention
         self.graphdef, self.state = nnx.split(model)
         self.stats = EngineStats()
         self._pages = None
 
     def _pool(self, num_pages: int) -> list[dict]:
-        if self._pages is None or self._pages[0]["k"].shape[0] != num_pages:
+        if self._pages is None or pool_pages(self._pages) != num_pages:
             self._pages = init_pages(self.model.config, num_pages, self.page_size)
         return self._pages
 
@@ -122,7 +124,8 @@ class Engine:
             b = sched.batch(rows, width)
             pages, out = _decode_chunk(self.graphdef, self.state, layers, pages, b["page_table"], b["token"],
                                        b["pos"], b["n_gen"], b["live"], keys_nk[b["request"]],
-                                       jnp.int32(max_new), steps=self.chunk_steps, stops=stops, **sampling)
+                                       jnp.int32(max_new), steps=self.chunk_steps, stops=stops,
+                                       attention=self.attention, **sampling)
             out = jax.tree.map(np.asarray, out)
             stats.decode_chunks += 1
             stats.decode_steps += int(out["steps"]) * rows
@@ -147,7 +150,8 @@ class Engine:
             own = p.full_pages + ([p.partial_page] if p.partial_page is not None else [])
             table_nw[i, : len(own)] = own
             last_n[i] = len(p.prompt) - 1
-        return _prefill(self.graphdef, self.state, layers, pages, tokens_nt, table_nw, last_n)
+        return _prefill(self.graphdef, self.state, layers, pages, tokens_nt, table_nw, last_n,
+                        attention=self.attention)
 
 
 def sample_rows(logits_bv, keys_bk, n_gen_b, temperature: float, top_p: float, top_k: int):
@@ -163,13 +167,13 @@ def sample_rows(logits_bv, keys_bk, n_gen_b, temperature: float, top_p: float, t
     return tok_b, logit_b - jax.nn.logsumexp(tempered_bv, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-def _prefill(graphdef, state, layers, pages, tokens_nt, table_nw, last_n):
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3, static_argnames="attention")
+def _prefill(graphdef, state, layers, pages, tokens_nt, table_nw, last_n, *, attention="auto"):
     model = nnx.merge(graphdef, state)
     n, T = tokens_nt.shape
     positions_nt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (n, T))
     h_ntd, pages = model.hidden(tokens_nt, positions_nt, cache=pages, layers=layers,
-                                cache_attention=paged_cache_attention(table_nw))
+                                cache_attention=paged_cache_attention(table_nw, attention))
     return pages, jnp.take_along_axis(h_ntd, last_n[:, None, None], axis=1)[:, 0]
 
 
@@ -181,16 +185,16 @@ def _first_tokens(graphdef, state, hidden_md, keys_mk, *, temperature, top_p, to
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3,
-                   static_argnames=("steps", "temperature", "top_p", "top_k", "stops"))
+                   static_argnames=("steps", "temperature", "top_p", "top_k", "stops", "attention"))
 def _decode_chunk(graphdef, state, layers, pages, table_sw, token_s, pos_s, n_gen_s, live_s, keys_sk, max_new, *,
-                  steps, temperature, top_p, top_k, stops):
+                  steps, temperature, top_p, top_k, stops, attention="auto"):
     """Up to `steps` decode steps over every slot (fewer when all are done). A slot stops on a stop token
     or at max_new tokens; a done slot keeps rewriting its last position with the token it read there
     (inside its own pages), so it never writes past what the scheduler gave it."""
     model = nnx.merge(graphdef, state)
     S = token_s.shape[0]
     stop_ids = jnp.asarray(stops, jnp.int32)
-    attend = paged_cache_attention(table_sw)
+    attend = paged_cache_attention(table_sw, attention)
 
     def cond(carry):
         return (carry["i"] < steps) & ~jnp.all(carry["done"])

@@ -6,8 +6,10 @@ it absorbs the writes of padded rows and positions (page tables are filled with 
 pages) and is never read for a real position. Pages are refcounted: a prompt's full pages can be shared
 by every sequence that continues that prompt (`marljax.engine.scheduler`).
 
-Device layout, per layer: {"k": [pages, page_size, kv_heads, head_dim], "v": same}: a gather of a page
-table [B, W] reads [B, W·page_size, kv_heads, head_dim] keys with no transpose of the pool.
+Device layout, per layer: {"kv": [pages, page_size, 2·kv_heads, head_dim]}, keys at the even and values at
+the odd combined heads: the layout of the TPU's ragged paged-attention kernel, which the gather path
+reads too (`marljax.engine.paged_attention`); a gather of a page table [B, W] reads
+[B, W·page_size, 2·kv_heads, head_dim] with no transpose of the pool.
 """
 from __future__ import annotations
 
@@ -24,8 +26,17 @@ NULL_PAGE = 0
 def init_pages(config: ModelConfig, num_pages: int, page_size: int, dtype=None) -> list[dict]:
     """Zeroed page pool for every layer (see the module docstring for the layout)."""
     dt = dtype or config.jnp_dtype
-    shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
-    return [{"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)} for _ in range(config.num_layers)]
+    return [{"kv": jnp.zeros(pool_shape(config, num_pages, page_size), dt)} for _ in range(config.num_layers)]
+
+
+def pool_shape(config: ModelConfig, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
+    """One layer's pool: [pages, page_size, 2·kv_heads, head_dim]."""
+    return (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
+
+
+def pool_pages(pages: list[dict]) -> int:
+    """Pages in a pool (the null page included)."""
+    return pages[0]["kv"].shape[0]
 
 
 def page_bytes(config: ModelConfig, page_size: int, dtype=None) -> int:
