@@ -12,19 +12,21 @@ attends the keys at positions ≤ its own. `impl` (`PAGED_ATTENTIONS`):
           of each row up to its own length straight from HBM (online softmax, float32); compiled for a
           TPU (also ahead of time for a TPU topology, `marljax.aot`), in Pallas' TPU interpreter on any
           other backend (see `KERNEL_MODES`). It takes each row's T queries as its last T positions
-          (the engine's prefill rows start at 0, its decode rows hold one query): `kernel_attention`
+          (the engine's prefill rows start at 0, its decode rows hold one query): `kernel_cache_attention`
   auto    the kernel when the code is traced for a TPU (`models.attention.target_backend`), else gather.
 There is no GPU kernel here (Pallas' GPU paged attention is not wired in: no GPU to check it on); a GPU
 takes the gather path.
 
-Pool layout (`marljax.engine.kv_pages`), per layer {"kv": [pages, page_size, 2·kv_heads, head_dim]}:
-keys at the even and values at the odd combined heads, the kernel's layout, which the gather path reads
-as well (no conversion per step). On a mesh (`sharding.use_mesh`) the pool is replicated over the batch
-ranks and split over `tensor` by KV head (when the KV heads divide), rows split like the batch: every
-chip holds every page in flight, computes its rows, and the new keys and values are written on every
-chip; the kernel runs per shard (`jax.shard_map`: XLA cannot partition a Pallas kernel).
-Shapes: q [B, T, H, Dh]; k, v [B, T, K, Dh]; pages [N, page_size, 2K, Dh]; page_table [B, W] int32;
-positions [B, T] int32.
+Pool layout (`marljax.engine.kv_pages`), per layer {"kv": [R, pages, page_size, 2·kv_heads, head_dim]}:
+R rank pools, keys at the even and values at the odd combined heads (the kernel's layout, which the
+gather path reads as well: no conversion per step). Rows are split evenly over the R pools in order (row
+b belongs to pool b·R // B) and their page tables index their own pool. On a mesh
+(`sharding.use_mesh`) the rows split like the batch and the R pools with them (R = the batch ranks: each
+chip holds its rows' pages only; R = 1: the pool is replicated, and every chip writes every new key);
+heads split over `tensor` when the KV heads divide. The kernel path writes and attends per shard
+(`jax.shard_map`: XLA cannot partition a Pallas kernel).
+Shapes: q [B, T, H, Dh]; k, v [B, T, K, Dh]; pool [R, N, page_size, 2K, Dh]; page_table [B, W] int32
+(pool-local page ids); positions [B, T] int32.
 """
 from __future__ import annotations
 
@@ -64,41 +66,74 @@ def interleave(k_btkd, v_btkd):
     return jnp.stack([k_btkd, v_btkd.astype(k_btkd.dtype)], axis=3).reshape(B, T, 2 * K, Dh)
 
 
-def write_pages(pages_npcd, new_btcd, page_table_bw, positions_bt):
-    """`pages` with new_btcd[b, t] written at position positions_bt[b, t] of row b's pages."""
+def flat_pages(pool_rnpcd, page_table_bw):
+    """The pool as one page axis [R·N, page_size, 2K, Dh] and the rows' page ids in it [B, W]."""
+    R, N = pool_rnpcd.shape[:2]
+    B = page_table_bw.shape[0]
+    if B % R:
+        raise ValueError(f"{B} rows cannot be split evenly over {R} rank pools.")
+    rank_b = jnp.arange(B, dtype=jnp.int32) * R // B
+    return pool_rnpcd.reshape(R * N, *pool_rnpcd.shape[2:]), page_table_bw + (rank_b * N)[:, None]
+
+
+def write_pages(pool_rnpcd, new_btcd, page_table_bw, positions_bt):
+    """`pool` with new_btcd[b, t] written at position positions_bt[b, t] of row b's pages."""
+    pages_npcd, table_bw = flat_pages(pool_rnpcd, page_table_bw)
     page_size = pages_npcd.shape[1]
-    page_bt = jnp.take_along_axis(page_table_bw, positions_bt // page_size, axis=1)
-    return pages_npcd.at[page_bt, positions_bt % page_size].set(new_btcd.astype(pages_npcd.dtype))
+    page_bt = jnp.take_along_axis(table_bw, positions_bt // page_size, axis=1)
+    pages_npcd = pages_npcd.at[page_bt, positions_bt % page_size].set(new_btcd.astype(pages_npcd.dtype))
+    return pages_npcd.reshape(pool_rnpcd.shape)
 
 
-def gather_attention(q_bthd, pages_npcd, page_table_bw, positions_bt):
+def gather_attention(q_bthd, pool_rnpcd, page_table_bw, positions_bt):
     """Grouped-query attention of each query over its row's keys at positions ≤ its own (gathered)."""
-    B, W = page_table_bw.shape
+    return _gathered(q_bthd, *flat_pages(pool_rnpcd, page_table_bw), positions_bt)
+
+
+def _gathered(q_bthd, pages_npcd, table_bw, positions_bt):
+    B, W = table_bw.shape
     page_size, C, Dh = pages_npcd.shape[1:]
     S = W * page_size
-    kv_bscd = pages_npcd[page_table_bw].reshape(B, S, C, Dh)
+    kv_bscd = pages_npcd[table_bw].reshape(B, S, C, Dh)
     k_bksd = kv_bscd[:, :, 0::2].transpose(0, 2, 1, 3)
     v_bkds = kv_bscd[:, :, 1::2].transpose(0, 2, 3, 1)
     mask_bts = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= positions_bt[:, :, None]
     return attention(q_bthd, k_bksd, v_bkds, mask_bts, "cache")
 
 
-def kernel_attention(q_bthd, pages_npcd, page_table_bw, positions_bt, *, mode: str | None = None):
-    """The ragged paged-attention kernel over rows whose T queries are their last T positions: row b
-    attends its first positions_bt[b, −1] + 1 keys, query t the keys up to its own position. On a mesh
-    it runs per shard (see the module docstring). `mode` (`KERNEL_MODES`; default: mosaic when tracing
-    for a TPU, else interpret)."""
+def kernel_cache_attention(q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt, *, mode: str | None = None):
+    """Write the new keys and values into the pool, then the ragged paged-attention kernel over rows
+    whose T queries are their last T positions (row b attends its first positions_bt[b, −1] + 1 keys,
+    query t the keys up to its own position); per shard on a mesh. `mode`: `KERNEL_MODES` (default:
+    mosaic when tracing for a TPU, else interpret). Returns (attention [B, T, H, Dh], the pool)."""
+    return per_shard(functools.partial(_kernel, mode=_kernel_mode(mode)), q_bthd, new_btcd, pool_rnpcd,
+                     page_table_bw, positions_bt)
+
+
+def per_shard(attend, q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt):
+    """Write, then `attend(q, pages [R·N, …], page ids [B, W], positions)`, once per shard on a mesh
+    (see the module docstring: each shard writes and reads its own rows' pool): (attention, pool)."""
+    def one(q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt):
+        pool_rnpcd = write_pages(pool_rnpcd, new_btcd, page_table_bw, positions_bt)
+        return attend(q_bthd, *flat_pages(pool_rnpcd, page_table_bw), positions_bt), pool_rnpcd
+
+    heads = "act_kv_heads"
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and "tensor" in mesh.axis_names and (pool_rnpcd.shape[3] // 2) % mesh.shape["tensor"]:
+        heads = None  # fewer KV heads than tensor ranks: every shard takes all heads
+    q_axes = ("batch", "length", None if heads is None else "act_heads", "head_dim")
+    pool_axes = ("batch", None, None, heads, "head_dim")
+    return sharding.shard_map_logical(
+        one, (q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt),
+        (q_axes, ("batch", "length", heads, "head_dim"), pool_axes, ("batch", None), ("batch", "length")),
+        (q_axes, pool_axes), out_like=(0, 2))
+
+
+def _kernel_mode(mode: str | None) -> str:
     mode = mode or ("mosaic" if target_backend() == "tpu" else "interpret")
     if mode not in KERNEL_MODES:
         raise ValueError(f"kernel mode {mode!r}; choose from {KERNEL_MODES}.")
-    heads = "act_kv_heads"
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and "tensor" in mesh.axis_names and (pages_npcd.shape[2] // 2) % mesh.shape["tensor"]:
-        heads = None  # fewer KV heads than tensor ranks: every shard takes all heads
-    q_axes = ("batch", "length", None if heads is None else "act_heads", "head_dim")
-    return sharding.shard_map_logical(
-        functools.partial(_kernel, mode=mode), (q_bthd, pages_npcd, page_table_bw, positions_bt),
-        (q_axes, (None, None, heads, "head_dim"), ("batch", None), ("batch", "length")), q_axes)
+    return mode
 
 
 def _kernel(q_bthd, pages_npcd, page_table_bw, positions_bt, *, mode: str):
@@ -122,9 +157,14 @@ def _kernel(q_bthd, pages_npcd, page_table_bw, positions_bt, *, mode: str):
 
 def paged_cache_attention(page_table_bw, impl: str = "auto"):
     """The decoder's `cache_attention` hook over one layer's pool {"kv"} (see the module docstring)."""
-    attend = {"gather": gather_attention, "kernel": kernel_attention}[resolve_paged_attention(impl)]
+    impl = resolve_paged_attention(impl)
 
     def hook(q_bthd, k_btkd, v_btkd, kv, positions_bt):
-        pages = write_pages(kv["kv"], interleave(k_btkd, v_btkd), page_table_bw, positions_bt)
-        return attend(q_bthd, pages, page_table_bw, positions_bt), {"kv": pages}
+        new_btcd = interleave(k_btkd, v_btkd)
+        if impl == "kernel":
+            attn, pool = kernel_cache_attention(q_bthd, new_btcd, kv["kv"], page_table_bw, positions_bt)
+        else:
+            pool = write_pages(kv["kv"], new_btcd, page_table_bw, positions_bt)
+            attn = gather_attention(q_bthd, pool, page_table_bw, positions_bt)
+        return attn, {"kv": pool}
     return hook
