@@ -40,9 +40,12 @@ from marljax import sharding
 from marljax.models.attention import attention, target_backend
 
 PAGED_ATTENTIONS = ("auto", "gather", "kernel")
-# The kernel's block sizes: KV pages and queries per grid step. Its own table of tuned sizes keys on the
-# device it runs on (none on a CPU host compiling for a TPU); these are that table's defaults.
-KERNEL_KV_PAGES, KERNEL_QUERIES = 128, 32
+# The kernel's block sizes: KV pages and queries per grid step. Its own table of tuned sizes
+# (`ragged_paged_attention.tuned_block_sizes`) keys on the device it runs on, which a CPU host compiling
+# for a TPU is not; these are that table's entries for 16-position pages at its longest contexts on v5
+# and v6 (Qwen3's 32 query / 8 KV heads of 128). Its untuned default, 128 pages, overflows v5e's scoped
+# VMEM for 16 combined KV heads (measured: CompileTimeScopedVmemOom).
+KERNEL_KV_PAGES, KERNEL_QUERIES = 16, 32
 # How the kernel runs: compiled by Mosaic (TPU), in Pallas' TPU interpreter (any backend; jax 0.10.2's
 # interpreter cannot run this kernel yet: it reads a reshaped VMEM ref, `tests/test_engine.py` pins
 # that), or as the kernel module's own pure-JAX reference on the same arguments (checks the arguments
