@@ -1,4 +1,5 @@
-"""Ahead-of-time compile of a paper cell's train step for a TPU topology, on a host without one.
+"""Ahead-of-time compile of a paper cell's train step and rollout engine for a TPU topology, on a host
+without one.
 
 `python -m marljax.matrix --aot v5e-8 [--cell NAME …]` builds, per cell, the trainer's jitted update
 (`marljax.rl.step.Trainer`) with the cell's model shapes (`nnx.eval_shape`: nothing allocated), its
@@ -12,6 +13,10 @@ compiles it with libtpu's compile-only client for the topology. XLA's TPU compil
            (`bench/flops.py`: the useful work); their ratio is the recompute overhead (remat, the
            log-prob chunks' rematerialisation, the attention kernel's own backward)
   roofline max(flops / peak, bytes accessed / HBM bandwidth) of one such call
+`compile_engine` does the same for the cell's rollout engine (`marljax.engine`): its jitted prefill and
+decode chunk with the cell's weights as the sampler shards them, the page pool `marljax.matrix.engine_plan`
+sizes (one per batch rank) and the TPU's ragged paged-attention kernel; per chip its bytes and one decode
+step's roofline (`engine_table`).
 libtpu (`pip install libtpu==0.0.42.1`, the build matching jax 0.10.2) must be importable; JAX itself
 stays on the CPU backend (JAX_PLATFORMS=cpu): the TPU is only a compile target.
 """
