@@ -378,6 +378,8 @@ class CompiledEngine:
     prefill: Program
     decode: Program
     hbm_bytes: int
+    page_bytes: float  # one page across layers, per chip (as compiled)
+    held_bytes: float  # what the run holds beside the engine's programs, per chip (see compile_engine)
     step_flops: float  # one decode step per chip: XLA's count (its matmuls; the kernel counts none)
     step_bytes: float  # one decode step per chip: XLA's bytes accessed + every pool page read once
     peak_flops: float
@@ -386,13 +388,20 @@ class CompiledEngine:
     model_step_flops: float = 0.0  # 2 × matmul parameters per row, per chip (the caller's: marljax.matrix)
 
     @property
-    def total_bytes(self) -> int:
-        """Per-chip peak: the larger program (they share the weights and the pool, and alternate)."""
-        return max(self.prefill.total_bytes, self.decode.total_bytes)
+    def total_bytes(self) -> float:
+        """Per-chip peak: the larger program (they share the weights and the pool, and alternate) + what
+        the run holds beside them."""
+        return max(self.prefill.total_bytes, self.decode.total_bytes) + self.held_bytes
 
     @property
     def fits(self) -> bool:
         return not (self.prefill.oom or self.decode.oom) and self.total_bytes <= self.hbm_bytes
+
+    @property
+    def fit_pages(self) -> int:
+        """Pages per rank's pool that fit the chip with everything else as compiled."""
+        over = max(0.0, self.total_bytes - self.hbm_bytes)
+        return max(0, self.plan.pages - int(-(-over // self.page_bytes)))
 
     @property
     def step_s(self) -> float:
@@ -410,9 +419,11 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, layers: int | None
     cell's dtype), the TPU kernel path of the paged attention. Decode: `plan.slots` rows per rank, each
     with a page table as wide as the cell's longest sequence, `steps` steps per chunk. Prefill: one prompt
     per rank at the cell's longest prompt. Per chip: each program's bytes (arguments + outputs + temp −
-    aliased: the donated pool aliases its output), and one decode step's FLOPs and bytes for a roofline
-    (XLA counts the chunk's while-loop body, one step, once; the kernel's reads are added as every page
-    of the pool read once per step, an upper bound)."""
+    aliased: the donated pool aliases its output; XLA drops arguments a program does not read, here the
+    base's stacked layer weights, which the run still holds: `held_bytes`, to which the caller adds the
+    LoRA sets and Adam moments), and one decode step's FLOPs and bytes for a roofline (XLA counts the
+    chunk's while-loop body, one step, once; the kernel's reads are added as every page of the pool
+    read once per step, an upper bound)."""
     devices = topology_devices(accelerator)
     import jax
     import jax.numpy as jnp
@@ -466,12 +477,20 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, layers: int | None
         prefill = _program(*_compile(prefill_traced))
     compile_s = time.perf_counter() - t0
     pool_chip = plan.pool_bytes * (model_cfg.num_layers / PRESETS[cfg.model].num_layers)
+    stacked = sum(_chip_bytes(v.get_value(), state_sh["layers"][k].get_value()) for k, v in state["layers"].items())
     return CompiledEngine(
         cell=cell.name, accelerator=accelerator, mesh=dims, plan=plan, rows=rows, width=width,
         prefill_rows=n, prefill_length=T, prefill=prefill[0], decode=decode[0], hbm_bytes=int(acc.hbm_gb * GiB),
+        page_bytes=pool_chip / plan.pages, held_bytes=stacked,
         step_flops=float(decode[1].get("flops", 0.0)),
         step_bytes=float(decode[1].get("bytes accessed", 0.0)) + pool_chip,
         peak_flops=acc.tflops * 1e12, hbm_bandwidth=acc.hbm_gbs * 1e9, compile_s=compile_s)
+
+
+def _chip_bytes(x, named_sharding) -> float:
+    """Bytes of one chip's shard of array `x` (shape and dtype) under `named_sharding`."""
+    import math
+    return math.prod(named_sharding.shard_shape(x.shape)) * x.dtype.itemsize
 
 
 def _program(terms, cost, oom, peak) -> tuple[Program, dict]:
@@ -482,11 +501,13 @@ def _program(terms, cost, oom, peak) -> tuple[Program, dict]:
 def engine_table(results: list[CompiledEngine]) -> str:
     gib = lambda x: f"{x / GiB:7.2f}"  # noqa: E731
     head = (f"{'cell':38} mesh(d,f,t)  ranks×slots  pages   ctx width  pool  p.args  p.temp p.total  d.args  d.temp"
-            f" d.total    hbm fits  step_GF  step_GB  step_ms  compile_s")
+            f" d.total   held  total    hbm fits fit_pages  step_GF  step_GB  step_ms  compile_s")
     lines = [f"# compiled rollout engine per chip (GiB): one pool per batch rank (pages of "
              f"{results[0].plan.page_size if results else 0} positions), TPU paged-attention kernel; p.: "
-             f"prefill of one longest prompt per rank; d.: a decode chunk over every slot; step_*: one decode "
-             f"step per chip, roofline max(GFLOP / peak, GB / HBM bandwidth) (a model, not a measurement)",
+             f"prefill of one longest prompt per rank; d.: a decode chunk over every slot; held: what the run "
+             f"holds beside them (the base's stacked layers, LoRA sets, Adam moments); total: the larger "
+             f"program + held; fit_pages: pages per rank that fit; step_*: one decode step per chip, roofline "
+             f"max(GFLOP / peak, GB / HBM bandwidth) (a model, not a measurement)",
              head]
     for c in results:
         p, d = c.prefill, c.decode
@@ -494,7 +515,8 @@ def engine_table(results: list[CompiledEngine]) -> str:
             f"{c.cell:38} {str(c.mesh):12} {f'{c.plan.ranks}×{c.plan.slots}':>11} {c.plan.pages:6d} "
             f"{c.plan.context:5d} {c.width:5d}{gib(c.plan.pool_bytes)[1:]} {gib(p.argument_bytes)} {gib(p.temp_bytes)} "
             f"{gib(p.total_bytes)} {gib(d.argument_bytes)} {gib(d.temp_bytes)} {gib(d.total_bytes)} "
-            f"{gib(c.hbm_bytes)} {'yes' if c.fits else 'NO':>4} {max(c.step_flops, c.model_step_flops) / 1e9:8.1f} "
+            f"{gib(c.held_bytes)}{gib(c.total_bytes)}{gib(c.hbm_bytes)} {'yes' if c.fits else 'NO':>4} "
+            f"{c.fit_pages:9d} {max(c.step_flops, c.model_step_flops) / 1e9:8.1f} "
             f"{c.step_bytes / 1e9:8.2f} {c.step_s * 1e3:8.2f} {c.compile_s:10.1f}"
             + (f"  OOM: {p.oom or d.oom}" if p.oom or d.oom else ""))
     return "\n".join(lines)

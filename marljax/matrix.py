@@ -561,7 +561,8 @@ def _aot(chosen: list[Cell], args) -> int:
                 data, fsdp, tensor = e.mesh
                 model = dataclasses.replace(PRESETS[c.model], dtype=cfg.dtype)
                 engines.append(dataclasses.replace(
-                    e, model_step_flops=e.rows * 2.0 * matmul_params(model) / (data * fsdp * tensor)))
+                    e, model_step_flops=e.rows * 2.0 * matmul_params(model) / (data * fsdp * tensor),
+                    held_bytes=e.held_bytes + est.memory.lora + est.memory.optimizer))
                 if args.aot_part == "engine":
                     lines = aot.engine_table(engines[-1:]).splitlines()
                     print("\n".join(lines if len(engines) == 1 else lines[-1:]), flush=True)
