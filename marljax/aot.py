@@ -379,7 +379,7 @@ class CompiledEngine:
     decode: Program
     hbm_bytes: int
     page_bytes: float  # one page across layers, per chip (as compiled)
-    held_bytes: float  # what the run holds beside the engine's programs, per chip (see compile_engine)
+    held_bytes: float  # what the run holds beside the engine's arguments, per chip (see compile_engine)
     step_flops: float  # one decode step per chip: XLA's count (its matmuls; the kernel counts none)
     step_bytes: float  # one decode step per chip: XLA's bytes accessed + every pool page read once
     peak_flops: float
@@ -389,9 +389,9 @@ class CompiledEngine:
 
     @property
     def total_bytes(self) -> float:
-        """Per-chip peak: the larger program (they share the weights and the pool, and alternate) + what
-        the run holds beside them."""
-        return max(self.prefill.total_bytes, self.decode.total_bytes) + self.held_bytes
+        """Per-chip peak: the larger program (they share the weights and the pool, and alternate; both
+        hold `held_bytes` as an argument)."""
+        return max(self.prefill.total_bytes, self.decode.total_bytes)
 
     @property
     def fits(self) -> bool:
@@ -409,7 +409,7 @@ class CompiledEngine:
         return max(max(self.step_flops, self.model_step_flops) / self.peak_flops, self.step_bytes / self.hbm_bandwidth)
 
 
-def compile_engine(cell, cfg, accelerator: str, acc, plan, *, layers: int | None = None,
+def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float = 0.0, layers: int | None = None,
                    steps: int = 16) -> CompiledEngine:
     """Compile `cell`'s rollout engine (`marljax.engine.engine`'s jitted `_prefill` and `_decode_chunk`)
     for `accelerator`'s topology, with abstract arguments: the cell's model (`cfg.model`, `cfg.dtype`;
@@ -419,11 +419,14 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, layers: int | None
     cell's dtype), the TPU kernel path of the paged attention. Decode: `plan.slots` rows per rank, each
     with a page table as wide as the cell's longest sequence, `steps` steps per chunk. Prefill: one prompt
     per rank at the cell's longest prompt. Per chip: each program's bytes (arguments + outputs + temp −
-    aliased: the donated pool aliases its output; XLA drops arguments a program does not read, here the
-    base's stacked layer weights, which the run still holds: `held_bytes`, to which the caller adds the
-    LoRA sets and Adam moments), and one decode step's FLOPs and bytes for a roofline (XLA counts the
-    chunk's while-loop body, one step, once; the kernel's reads are added as every page of the pool
-    read once per step, an upper bound)."""
+    aliased: the donated pool aliases its output), and one decode step's FLOPs and bytes for a roofline
+    (XLA counts the chunk's while-loop body, one step, once; the kernel's reads are added as every page
+    of the pool read once per step, an upper bound). What the run holds beside the engine's arguments
+    — the base's stacked layers (the decode reads the per-layer copy; XLA would drop them as unread)
+    and `held_bytes` per chip (the caller's: LoRA sets and Adam moments, as one array) — stays in both
+    programs as live arguments (kept, the held array donated and returned): XLA's TPU compiler spends whatever HBM it is not told about on
+    temporaries (measured: cutting the pool by 1.6 GiB raised the decode chunk's temp by 1.55 GiB), so
+    the fit is only checked with everything resident inside the program."""
     devices = topology_devices(accelerator)
     import jax
     import jax.numpy as jnp
@@ -462,26 +465,33 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, layers: int | None
     n, T = plan.ranks, plan.prompt
     sampling = dict(temperature=float(cfg.sampling.temperature), top_p=float(cfg.sampling.top_p),
                     top_k=int(cfg.sampling.top_k))
-    t0 = time.perf_counter()
-    with sharding.use_mesh(mesh, rules):
-        decode_traced = _decode_chunk.trace(
-            graphdef, state_abs, layer_abs, pool, arr(jnp.int32, ("batch", None), rows, width),
-            *(arr(jnp.int32, ("batch",), rows) for _ in range(3)), arr(jnp.bool_, ("batch",), rows),
-            arr(jnp.uint32, ("batch", None), rows, 2), arr(jnp.int32, (), ), steps=steps, stops=(0,),
-            attention="kernel", **sampling)
-        decode = _program(*_compile(decode_traced))
-        prefill_traced = _prefill.trace(
-            graphdef, state_abs, layer_abs, pool, arr(jnp.int32, ("batch", None), n, T),
-            arr(jnp.int32, ("batch", None), n, -(-T // plan.page_size)), arr(jnp.int32, ("batch",), n),
-            attention="kernel")
-        prefill = _program(*_compile(prefill_traced))
-    compile_s = time.perf_counter() - t0
     pool_chip = plan.pool_bytes * (model_cfg.num_layers / PRESETS[cfg.model].num_layers)
     stacked = sum(_chip_bytes(v.get_value(), state_sh["layers"][k].get_value()) for k, v in state["layers"].items())
+    chips = len(devices)
+    held = jax.ShapeDtypeStruct((chips * max(1, int(held_bytes)),), jnp.uint8, sharding=jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(sharding.MESH_AXES)))  # split over every chip
+
+    def holding(fn, **static):  # fn(graphdef, *arrays), every argument kept (the stacked layers too) and
+        # `held` live throughout; the pool donated
+        return jax.jit(lambda held, *arrays: (fn(graphdef, *arrays, **static), held), donate_argnums=(0, 3),
+                       keep_unused=True)
+
+    t0 = time.perf_counter()
+    with sharding.use_mesh(mesh, rules):
+        decode_traced = holding(_decode_chunk, steps=steps, stops=(0,), attention="kernel", **sampling).trace(
+            held, state_abs, layer_abs, pool, arr(jnp.int32, ("batch", None), rows, width),
+            *(arr(jnp.int32, ("batch",), rows) for _ in range(3)), arr(jnp.bool_, ("batch",), rows),
+            arr(jnp.uint32, ("batch", None), rows, 2), arr(jnp.int32, ()))
+        decode = _program(*_compile(decode_traced))
+        prefill_traced = holding(_prefill, attention="kernel").trace(
+            held, state_abs, layer_abs, pool, arr(jnp.int32, ("batch", None), n, T),
+            arr(jnp.int32, ("batch", None), n, -(-T // plan.page_size)), arr(jnp.int32, ("batch",), n))
+        prefill = _program(*_compile(prefill_traced))
+    compile_s = time.perf_counter() - t0
     return CompiledEngine(
         cell=cell.name, accelerator=accelerator, mesh=dims, plan=plan, rows=rows, width=width,
         prefill_rows=n, prefill_length=T, prefill=prefill[0], decode=decode[0], hbm_bytes=int(acc.hbm_gb * GiB),
-        page_bytes=pool_chip / plan.pages, held_bytes=stacked,
+        page_bytes=pool_chip / plan.pages, held_bytes=stacked + held_bytes,
         step_flops=float(decode[1].get("flops", 0.0)),
         step_bytes=float(decode[1].get("bytes accessed", 0.0)) + pool_chip,
         peak_flops=acc.tflops * 1e12, hbm_bandwidth=acc.hbm_gbs * 1e9, compile_s=compile_s)
@@ -504,9 +514,9 @@ def engine_table(results: list[CompiledEngine]) -> str:
             f" d.total   held  total    hbm fits fit_pages  step_GF  step_GB  step_ms  compile_s")
     lines = [f"# compiled rollout engine per chip (GiB): one pool per batch rank (pages of "
              f"{results[0].plan.page_size if results else 0} positions), TPU paged-attention kernel; p.: "
-             f"prefill of one longest prompt per rank; d.: a decode chunk over every slot; held: what the run "
-             f"holds beside them (the base's stacked layers, LoRA sets, Adam moments); total: the larger "
-             f"program + held; fit_pages: pages per rank that fit; step_*: one decode step per chip, roofline "
+             f"prefill of one longest prompt per rank; d.: a decode chunk over every slot (args include held: "
+             f"what the run holds beside the engine, the base's stacked layers, LoRA sets, Adam moments); "
+             f"total: the larger program; fit_pages: pages per rank that fit; step_*: one decode step per chip, roofline "
              f"max(GFLOP / peak, GB / HBM bandwidth) (a model, not a measurement)",
              head]
     for c in results:

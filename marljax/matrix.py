@@ -538,6 +538,25 @@ def with_memory_model(r, cell: Cell, cfg: Config):
                                model_temp=est.grads + est.activations)
 
 
+def _aot_engine(cell: Cell, cfg: Config, est: Estimate, acc: Accelerator, topology: str, *, printing: bool,
+                first: bool) -> list:
+    """Compile the cell's engine as `engine_plan` sizes it; when it does not fit, once more with the pool
+    cut to the pages that fit (`aot.CompiledEngine.fit_pages`). Its rows (`aot.CompiledEngine`)."""
+    from marljax import aot
+    model = dataclasses.replace(PRESETS[cell.model], dtype=cfg.dtype)
+    plan, out = est.engine, []
+    for _ in range(2):
+        e = aot.compile_engine(cell, cfg, topology, acc, plan, held_bytes=est.memory.lora + est.memory.optimizer)
+        out.append(dataclasses.replace(e, model_step_flops=e.rows * 2.0 * matmul_params(model) / math.prod(e.mesh)))
+        if printing:
+            lines = aot.engine_table(out[-1:]).splitlines()
+            print("\n".join(lines if first and len(out) == 1 else lines[-1:]), flush=True)
+        if out[-1].fits or out[-1].fit_pages - 1 < -(-plan.context // plan.page_size):
+            break
+        plan = engine_plan(cell, model, acc, est.mesh, (out[-1].fit_pages - 1) * plan.page_size * plan.ranks)
+    return out
+
+
 def _aot(chosen: list[Cell], args) -> int:
     """Compile every chosen cell for the topology (the train step, the rollout engine or both, as
     `--aot-part` says), printing rows as they come: the train steps' table, then the engines'; 1 if
@@ -557,21 +576,16 @@ def _aot(chosen: list[Cell], args) -> int:
                 lines = aot.table(train[-1:]).splitlines()
                 print("\n".join(lines if len(train) == 1 else lines[-1:]), flush=True)
             if args.aot_part in ("both", "engine"):
-                e = aot.compile_engine(c, cfg, args.aot, acc, est.engine)
-                data, fsdp, tensor = e.mesh
-                model = dataclasses.replace(PRESETS[c.model], dtype=cfg.dtype)
-                engines.append(dataclasses.replace(
-                    e, model_step_flops=e.rows * 2.0 * matmul_params(model) / (data * fsdp * tensor),
-                    held_bytes=e.held_bytes + est.memory.lora + est.memory.optimizer))
-                if args.aot_part == "engine":
-                    lines = aot.engine_table(engines[-1:]).splitlines()
-                    print("\n".join(lines if len(engines) == 1 else lines[-1:]), flush=True)
+                engines += _aot_engine(c, cfg, est, acc, args.aot, printing=args.aot_part == "engine",
+                                       first=not engines)
         except aot.AotError as e:
             print(f"python -m marljax.matrix: {e}", file=sys.stderr)
             return 2
     if engines and args.aot_part == "both":
         print(aot.engine_table(engines), flush=True)
-    bad = [r.cell for r in train if not r.fits] + [f"{e.cell} (engine)" for e in engines if not e.fits]
+    fitting = {e.cell for e in engines if e.fits}
+    bad = [r.cell for r in train if not r.fits] + [f"{e.cell} (engine)" for e in engines if e.cell not in fitting]
+    bad = list(dict.fromkeys(bad))
     print(f"# {len(chosen) - len({b.split()[0] for b in bad})} of {len(chosen)} cells fit on {args.aot}"
           + (f"; not: {', '.join(bad)}" if bad else ""), flush=True)
     return 1 if bad else 0
