@@ -540,12 +540,12 @@ def with_memory_model(r, cell: Cell, cfg: Config):
 
 def _aot_engine(cell: Cell, cfg: Config, est: Estimate, acc: Accelerator, topology: str, *, printing: bool,
                 first: bool) -> list:
-    """Compile the cell's engine as `engine_plan` sizes it; when it does not fit, once more with the pool
-    cut to the pages that fit (`aot.CompiledEngine.fit_pages`). Its rows (`aot.CompiledEngine`)."""
+    """Compile the cell's engine as `engine_plan` sizes it; while it does not fit (twice at most), again
+    with the pool cut to the pages that fit (`aot.CompiledEngine.fit_pages`). Its rows."""
     from marljax import aot
     model = dataclasses.replace(PRESETS[cell.model], dtype=cfg.dtype)
     plan, out = est.engine, []
-    for _ in range(2):
+    for _ in range(3):
         e = aot.compile_engine(cell, cfg, topology, acc, plan, held_bytes=est.memory.lora + est.memory.optimizer)
         out.append(dataclasses.replace(e, model_step_flops=e.rows * 2.0 * matmul_params(model) / math.prod(e.mesh)))
         if printing:
