@@ -109,28 +109,34 @@ B, T, H, K, Dh, ps, N = 4, 1, 4, 2, 128, 4, 6
 ks = jax.random.split(jax.random.key(0), 3)
 q = jax.random.normal(ks[0], (B, T, H, Dh))
 new = jax.random.normal(ks[1], (B, T, 2 * K, Dh))
-pool = jax.random.normal(ks[2], (2, N, ps, 2 * K, Dh))  # a pool per data rank: rows 0-1, rows 2-3
 table = np.asarray([[1, 2, 0], [3, 4, 5], [2, 1, 3], [5, 0, 0]], np.int32)
 pos = np.asarray([[6], [11], [9], [2]], np.int32)
-want = gather_attention(q, write_pages(pool, new, table, pos), table, pos)
 mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=1, tensor=2))
-with sharding.use_mesh(mesh, sharding.RULES["fsdp_tp"]):
-    out, pool2 = jax.jit(lambda *a: per_shard(_gathered, *a))(q, new, pool, table, pos)
-print(float(jnp.max(jnp.abs(out - want))), pool2.sharding.spec)
+errs, specs = [], []
+for ranks in (2, 1):  # a pool per data rank (rows 0-1, rows 2-3), then one replicated pool
+    pool = jax.random.normal(ks[2], (ranks, N * 2 // ranks, ps, 2 * K, Dh))
+    want_pool = write_pages(pool, new, table, pos)
+    want = gather_attention(q, want_pool, table, pos)
+    with sharding.use_mesh(mesh, sharding.RULES["fsdp_tp"]):
+        out, pool2 = jax.jit(lambda *a: per_shard(_gathered, *a))(q, new, pool, table, pos)
+    errs += [float(jnp.max(jnp.abs(out - want))), float(jnp.max(jnp.abs(pool2 - want_pool)))]
+    specs.append(str(pool2.sharding.spec).replace(" ", ""))
+print(max(errs), *specs)
 """
 
 
 def test_kernel_path_runs_per_rank_pool_on_a_mesh():
-    """On a (data=2, tensor=2) mesh of simulated CPU devices the kernel path's `per_shard` writes and
-    attends once per shard: each data rank holds its own pool (rows 0-1 in pool 0, 2-3 in pool 1,
-    pool-local page ids), heads split over tensor. With the gather attention per shard (the kernel's
-    pure-JAX reference is not jittable) it equals the unsharded gather path."""
+    """On a (data=2, tensor=2) mesh of simulated CPU devices the kernel path's `per_shard` attends once
+    per shard, heads split over tensor: with a pool per data rank (rows 0-1 in pool 0, 2-3 in pool 1,
+    pool-local page ids) each shard writes its own; with one pool it stays replicated and every chip holds
+    every write. With the gather attention per shard (the kernel's pure-JAX reference is not jittable)
+    attention and pool equal the unsharded gather path."""
     env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"}
     out = subprocess.run([sys.executable, "-c", _KERNEL_ON_A_MESH], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    err, spec = out.stdout.strip().split(" ", 1)
-    print(f"max |kernel path per shard - gather| = {err}; pool sharding {spec}")
-    assert float(err) < 1e-5 and "data" in spec and "tensor" in spec
+    err, ranked, single = out.stdout.strip().split(" ")
+    print(f"max |kernel path per shard - gather| = {err}; pool shardings {ranked}, {single}")
+    assert float(err) < 1e-5 and "data" in ranked and "tensor" in ranked and "data" not in single
 
 
 def test_paged_attention_path_by_backend():

@@ -22,9 +22,9 @@ R rank pools, keys at the even and values at the odd combined heads (the kernel'
 gather path reads as well: no conversion per step). Rows are split evenly over the R pools in order (row
 b belongs to pool b·R // B) and their page tables index their own pool. On a mesh
 (`sharding.use_mesh`) the rows split like the batch and the R pools with them (R = the batch ranks: each
-chip holds its rows' pages only; R = 1: the pool is replicated, and every chip writes every new key);
-heads split over `tensor` when the KV heads divide. The kernel path writes and attends per shard
-(`jax.shard_map`: XLA cannot partition a Pallas kernel).
+chip holds its rows' pages only, and writes and reads them per shard; R = 1: the pool is replicated and
+XLA writes every new key on every chip); heads split over `tensor` when the KV heads divide. The kernel
+runs per shard (`jax.shard_map`: XLA cannot partition a Pallas kernel).
 Shapes: q [B, T, H, Dh]; k, v [B, T, K, Dh]; pool [R, N, page_size, 2K, Dh]; page_table [B, W] int32
 (pool-local page ids); positions [B, T] int32.
 """
@@ -114,20 +114,35 @@ def kernel_cache_attention(q_bthd, new_btcd, pool_rnpcd, page_table_bw, position
 
 
 def per_shard(attend, q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt):
-    """Write, then `attend(q, pages [R·N, …], page ids [B, W], positions)`, once per shard on a mesh
-    (see the module docstring: each shard writes and reads its own rows' pool): (attention, pool)."""
-    def one(q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt):
-        pool_rnpcd = write_pages(pool_rnpcd, new_btcd, page_table_bw, positions_bt)
-        return attend(q_bthd, *flat_pages(pool_rnpcd, page_table_bw), positions_bt), pool_rnpcd
-
+    """Write, then `attend(q, pages [R·N, …], page ids [B, W], positions)` once per shard on a mesh, rows
+    split like the batch: (attention, pool). Rank pools (R > 1) must split over the mesh as the rows do:
+    each shard writes and reads its own pool. One pool (R = 1) is replicated: XLA writes every new key
+    on every chip (a partitioned scatter) before the shards read it."""
     heads = "act_kv_heads"
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and "tensor" in mesh.axis_names and (pool_rnpcd.shape[3] // 2) % mesh.shape["tensor"]:
         heads = None  # fewer KV heads than tensor ranks: every shard takes all heads
     q_axes = ("batch", "length", None if heads is None else "act_heads", "head_dim")
     pool_axes = ("batch", None, None, heads, "head_dim")
+    R, B = pool_rnpcd.shape[0], q_bthd.shape[0]
+
+    def read(q_bthd, pool_rnpcd, page_table_bw, positions_bt):
+        return attend(q_bthd, *flat_pages(pool_rnpcd, page_table_bw), positions_bt)
+
+    def write_read(q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt):
+        if pool_rnpcd.shape[0] * B != R * q_bthd.shape[0]:
+            raise ValueError(f"{R} rank pools on a mesh must split like the {B} rows (per shard: "
+                             f"{pool_rnpcd.shape[0]} pools, {q_bthd.shape[0]} rows).")
+        pool_rnpcd = write_pages(pool_rnpcd, new_btcd, page_table_bw, positions_bt)
+        return read(q_bthd, pool_rnpcd, page_table_bw, positions_bt), pool_rnpcd
+
+    if R == 1:
+        pool_rnpcd = write_pages(pool_rnpcd, new_btcd, page_table_bw, positions_bt)
+        return sharding.shard_map_logical(
+            read, (q_bthd, pool_rnpcd, page_table_bw, positions_bt),
+            (q_axes, pool_axes, ("batch", None), ("batch", "length")), q_axes), pool_rnpcd
     return sharding.shard_map_logical(
-        one, (q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt),
+        write_read, (q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt),
         (q_axes, ("batch", "length", heads, "head_dim"), pool_axes, ("batch", None), ("batch", "length")),
         (q_axes, pool_axes), out_like=(0, 2))
 
