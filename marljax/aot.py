@@ -1,4 +1,5 @@
-"""Ahead-of-time compile of a paper cell's train step for a TPU topology, on a host without one.
+"""Ahead-of-time compile of a paper cell's train step and rollout engine for a TPU topology, on a host
+without one.
 
 `python -m marljax.matrix --aot v5e-8 [--cell NAME …]` builds, per cell, the trainer's jitted update
 (`marljax.rl.step.Trainer`) with the cell's model shapes (`nnx.eval_shape`: nothing allocated), its
@@ -12,6 +13,10 @@ compiles it with libtpu's compile-only client for the topology. XLA's TPU compil
            (`bench/flops.py`: the useful work); their ratio is the recompute overhead (remat, the
            log-prob chunks' rematerialisation, the attention kernel's own backward)
   roofline max(flops / peak, bytes accessed / HBM bandwidth) of one such call
+`compile_engine` does the same for the cell's rollout engine (`marljax.engine`): its jitted prefill and
+decode chunk with the cell's weights as the sampler shards them, the page pool `marljax.matrix.engine_plan`
+sizes (one per batch rank) and the TPU's ragged paged-attention kernel; per chip its bytes and one decode
+step's roofline (`engine_table`).
 libtpu (`pip install libtpu==0.0.42.1`, the build matching jax 0.10.2) must be importable; JAX itself
 stays on the CPU backend (JAX_PLATFORMS=cpu): the TPU is only a compile target.
 """
@@ -25,6 +30,10 @@ import time
 
 # accelerator name (marljax.matrix.ACCELERATORS) -> libtpu topology name
 TOPOLOGIES = {"v5e-8": "v5e:2x4", "v6e-8": "v6e:2x4", "v5p-8": "v5p:2x2x1"}
+# Share of HBM `CompiledEngine.fit_pages` cuts beyond the excess XLA reports: its TPU compiler fills the
+# HBM it has with temporaries, so an out-of-memory program shrinks only part of a pool cut (measured on
+# a Qwen3-4B engine: 0.53 GiB fewer pages, 0.13 GiB less needed; then 7.7 MiB short of fitting).
+FIT_MARGIN = 0.02
 SHORT_ROW = 32  # tokens of the one row per chip each role other than the longest sample's holds
 GiB = 1 << 30
 
@@ -187,6 +196,24 @@ def _oom_bytes(message: str) -> int:
     return int(float(m.group(1)) * {None: 1, "K": 1 << 10, "M": 1 << 20, "G": GiB, "T": 1 << 40}[m.group(2)])
 
 
+def _compile(traced) -> tuple[tuple[int, int, int, int], dict, str, int]:
+    """Lower and compile a traced jitted call: its per-chip (argument, output, alias, temp) bytes, XLA's
+    cost analysis, XLA's out-of-memory message ("" when it fits; temp is then the bytes it says it
+    needs and the cost analysis is empty) and XLA's peak bytes (0 when out of memory)."""
+    try:
+        compiled = traced.lower().compile()
+    except Exception as e:  # XLA's RESOURCE_EXHAUSTED: the program needs more HBM than the chip has
+        if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):
+            raise
+        oom = str(e).strip().splitlines()[0][:400]
+        return (0, 0, 0, _oom_bytes(oom)), {}, oom, 0
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return (mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
+            mem.temp_size_in_bytes), dict(cost or {}), "", mem.peak_memory_in_bytes
+
+
 def compile_cell(cell, cfg, accelerator: str, acc, *, rows_per_chip: int = 1, attention: str = "splash",
                  logprob_chunk: int | None = None, layers: int | None = None,
                  length: int | None = None) -> Compiled:
@@ -271,26 +298,11 @@ def compile_cell(cell, cfg, accelerator: str, acc, *, rows_per_chip: int = 1, at
     lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
 
     t0 = time.perf_counter()
-    oom = ""
     with sharding.use_mesh(mesh, rules):
         traced = trainer._update_jit.trace(base, state, batches, lr, recompute_old=False)
-        lowered = traced.lower()
-        try:
-            compiled = lowered.compile()
-        except Exception as e:  # XLA's RESOURCE_EXHAUSTED: the program needs more HBM than the chip has
-            if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):
-                raise
-            compiled, oom = None, str(e).strip().splitlines()[0][:400]
+        mem_terms, cost, oom, _ = _compile(traced)
     compile_s = time.perf_counter() - t0
-    if compiled is not None:
-        mem = compiled.memory_analysis()
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        mem_terms = (mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
-                     mem.temp_size_in_bytes)
-        accessed = float(cost.get("bytes accessed", 0.0))
-    else:
-        mem_terms, accessed = (0, 0, 0, _oom_bytes(oom)), 0.0
+    accessed = float(cost.get("bytes accessed", 0.0))
     flops = traced_flops(traced.jaxpr) / (data * fsdp * tensor)
     return Compiled(cell=cell.name, accelerator=accelerator, mesh=(data, fsdp, tensor),
                     role=role, rows=rows_per_chip * chips, length=T_long, response=R_long, **dict(zip(
@@ -328,4 +340,219 @@ def table(results: list[Compiled]) -> str:
                      f"{gib(c.model_arguments)}{gib(c.model_temp)} "
                      f"{c.flops / 1e12:6.1f} {c.model_flops / 1e12:6.1f} {c.recompute:6.2f} "
                      f"{c.roofline_s:7.2f} {c.compile_s:10.1f}" + (f"  OOM: {c.oom}" if c.oom else ""))
+    return "\n".join(lines)
+
+
+# ---- the rollout engine --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled program's per-chip bytes (XLA's memory analysis). XLA's TPU `temp_size_in_bytes`
+    leaves out a while loop's buffers (measured: 0 for a loop carrying a 16 MiB product, whose
+    `peak_memory_in_bytes` holds it), and the engine's decode chunk is a while loop: the total is XLA's
+    peak, and temp what the peak holds beyond the arguments and outputs."""
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    peak_bytes: int
+    oom_bytes: int = 0  # the bytes XLA's out-of-memory message says the program needs
+    oom: str = ""
+
+    @property
+    def over_bytes(self) -> float:
+        """Bytes over what XLA can place: from its out-of-memory message (needed − available), else 0."""
+        if not self.oom:
+            return 0.0
+        m = re.search(r"Exceeded hbm capacity by ([\d.]+)([KMGT])?", self.oom)  # more exact than the rounded totals
+        if m:
+            return float(m.group(1)) * {None: 1, "K": 1 << 10, "M": 1 << 20, "G": GiB, "T": 1 << 40}[m.group(2)]
+        return self.oom_bytes - _oom_available(self.oom)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak_bytes or self.oom_bytes
+
+    @property
+    def temp_bytes(self) -> int:
+        return self.total_bytes - (self.argument_bytes + self.output_bytes - self.alias_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledEngine:
+    """One cell's rollout engine compiled for a topology: its prefill and decode-chunk programs, per chip."""
+
+    cell: str
+    accelerator: str
+    mesh: tuple[int, int, int]
+    plan: object  # marljax.matrix.EnginePlan
+    rows: int  # decode rows (all ranks): ranks × slots
+    width: int  # pages per row's table (the longest sequence, bucketed as the engine does)
+    prefill_rows: int
+    prefill_length: int
+    prefill: Program
+    decode: Program
+    hbm_bytes: int
+    page_bytes: float  # one page across layers, per chip (as compiled)
+    held_bytes: float  # what the run holds beside the engine's arguments, per chip (see compile_engine)
+    step_flops: float  # one decode step per chip: XLA's count (its matmuls; the kernel counts none)
+    step_bytes: float  # one decode step per chip: XLA's bytes accessed + every pool page read once
+    peak_flops: float
+    hbm_bandwidth: float
+    compile_s: float
+    model_step_flops: float = 0.0  # 2 × matmul parameters per row, per chip (the caller's: marljax.matrix)
+
+    @property
+    def total_bytes(self) -> float:
+        """Per-chip peak: the larger program (they share the weights and the pool, and alternate; both
+        hold `held_bytes` as an argument)."""
+        return max(self.prefill.total_bytes, self.decode.total_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return not (self.prefill.oom or self.decode.oom) and self.total_bytes <= self.hbm_bytes
+
+    @property
+    def fit_pages(self) -> int:
+        """Pages per rank's pool that fit the chip with everything else as compiled."""
+        over = max(self.total_bytes - self.hbm_bytes, self.prefill.over_bytes, self.decode.over_bytes, 0.0)
+        if over:  # XLA fills the HBM it is given with temporaries: a cut of `over` alone falls short
+            over += FIT_MARGIN * self.hbm_bytes
+        return max(0, self.plan.pages - int(-(-over // self.page_bytes)))
+
+    @property
+    def step_s(self) -> float:
+        """Roofline of one decode step: max(FLOPs / peak, bytes / HBM bandwidth)."""
+        return max(max(self.step_flops, self.model_step_flops) / self.peak_flops, self.step_bytes / self.hbm_bandwidth)
+
+
+def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float = 0.0, layers: int | None = None,
+                   steps: int = 16) -> CompiledEngine:
+    """Compile `cell`'s rollout engine (`marljax.engine.engine`'s jitted `_prefill` and `_decode_chunk`)
+    for `accelerator`'s topology, with abstract arguments: the cell's model (`cfg.model`, `cfg.dtype`;
+    `layers` overrides its layer count, for tests) sharded as the sampler shards it (the cell's mesh and
+    rules), the per-layer copy of its layers the sampler decodes with (`sampling.layer_weights`), the
+    page pool of `plan` (`marljax.matrix.engine_plan`: one pool per batch rank, its pages in the
+    cell's dtype), the TPU kernel path of the paged attention. Decode: `plan.slots` rows per rank, each
+    with a page table as wide as the cell's longest sequence, `steps` steps per chunk. Prefill: one prompt
+    per rank at the cell's longest prompt. Per chip: each program's bytes (arguments + outputs + temp −
+    aliased: the donated pool aliases its output), and one decode step's FLOPs and bytes for a roofline
+    (XLA counts the chunk's while-loop body, one step, once; the kernel's reads are added as every page
+    of the pool read once per step, an upper bound). What the run holds beside the engine's arguments
+    — the base's stacked layers (the decode reads the per-layer copy; XLA would drop them as unread)
+    and `held_bytes` per chip (the caller's: LoRA sets and Adam moments, as one array) — stays in both
+    programs as live arguments (kept, the held array donated and returned): XLA's TPU compiler spends whatever HBM it is not told about on
+    temporaries (measured: cutting the pool by 1.6 GiB raised the decode chunk's temp by 1.55 GiB), so
+    the fit is only checked with everything resident inside the program."""
+    devices = topology_devices(accelerator)
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from marljax import sharding
+    from marljax.engine.engine import _decode_chunk, _prefill
+    from marljax.engine.kv_pages import pool_shape
+    from marljax.models.decoder import Decoder
+    from marljax.models.presets import PRESETS
+    from marljax.shapes import bucket
+
+    model_cfg = dataclasses.replace(PRESETS[cfg.model], dtype=cfg.dtype)
+    if layers is not None:
+        model_cfg = dataclasses.replace(model_cfg, num_layers=layers)
+    mesh = sharding.make_mesh(cfg.mesh, devices=devices)
+    rules = sharding.get_rules(cfg.mesh, mesh)
+    dims = tuple(mesh.shape[a] for a in sharding.MESH_AXES)
+    model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    state_sh = sharding.param_shardings(state, mesh, rules)
+    state_abs = _abstract(state, state_sh)
+    layer_abs = jax.eval_shape(lambda st: nnx.merge(graphdef, st).layer_list(), state)
+    layer_sh = {k: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*v.get_value().spec[1:]))
+                for k, v in state_sh["layers"].items()}
+    layer_abs = [_abstract(layer, {k: layer_sh[k] for k in layer}) for layer in layer_abs]
+
+    def arr(dtype, axes, *dims_):
+        spec = sharding.logical_spec(axes, dims_, mesh, rules)
+        return jax.ShapeDtypeStruct(dims_, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+
+    shape = pool_shape(model_cfg, plan.pages, plan.page_size, plan.ranks)
+    pool = [{"kv": arr(model_cfg.jnp_dtype, ("batch", None, None, "act_kv_heads", "head_dim"), *shape)}
+            for _ in range(model_cfg.num_layers)]
+    rows, width = plan.ranks * plan.slots, bucket(-(-plan.context // plan.page_size))
+    n, T = plan.ranks, plan.prompt
+    sampling = dict(temperature=float(cfg.sampling.temperature), top_p=float(cfg.sampling.top_p),
+                    top_k=int(cfg.sampling.top_k))
+    pool_chip = plan.pool_bytes * (model_cfg.num_layers / PRESETS[cfg.model].num_layers)
+    stacked = sum(_chip_bytes(v.get_value(), state_sh["layers"][k].get_value()) for k, v in state["layers"].items())
+    chips = len(devices)
+    held = jax.ShapeDtypeStruct((chips * max(1, int(held_bytes)),), jnp.uint8, sharding=jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(sharding.MESH_AXES)))  # split over every chip
+
+    def holding(fn, **static):  # fn(graphdef, *arrays), every argument kept (the stacked layers too) and
+        # `held` live throughout; the pool donated
+        return jax.jit(lambda held, *arrays: (fn(graphdef, *arrays, **static), held), donate_argnums=(0, 3),
+                       keep_unused=True)
+
+    t0 = time.perf_counter()
+    with sharding.use_mesh(mesh, rules):
+        decode_traced = holding(_decode_chunk, steps=steps, stops=(0,), attention="kernel", **sampling).trace(
+            held, state_abs, layer_abs, pool, arr(jnp.int32, ("batch", None), rows, width),
+            *(arr(jnp.int32, ("batch",), rows) for _ in range(3)), arr(jnp.bool_, ("batch",), rows),
+            arr(jnp.uint32, ("batch", None), rows, 2), arr(jnp.int32, ()))
+        decode = _program(*_compile(decode_traced))
+        prefill_traced = holding(_prefill, attention="kernel").trace(
+            held, state_abs, layer_abs, pool, arr(jnp.int32, ("batch", None), n, T),
+            arr(jnp.int32, ("batch", None), n, -(-T // plan.page_size)), arr(jnp.int32, ("batch",), n))
+        prefill = _program(*_compile(prefill_traced))
+    compile_s = time.perf_counter() - t0
+    return CompiledEngine(
+        cell=cell.name, accelerator=accelerator, mesh=dims, plan=plan, rows=rows, width=width,
+        prefill_rows=n, prefill_length=T, prefill=prefill[0], decode=decode[0], hbm_bytes=int(acc.hbm_gb * GiB),
+        page_bytes=pool_chip / plan.pages, held_bytes=stacked + held_bytes,
+        step_flops=float(decode[1].get("flops", 0.0)),
+        step_bytes=float(decode[1].get("bytes accessed", 0.0)) + pool_chip,
+        peak_flops=acc.tflops * 1e12, hbm_bandwidth=acc.hbm_gbs * 1e9, compile_s=compile_s)
+
+
+def _oom_available(message: str) -> int:
+    """The HBM XLA says it has for the program, from its out-of-memory message ("… exceeds available HBM
+    (15.75G)" or "Used X of 15.75G hbm": v5e's 16 GiB less what the runtime keeps), else the bytes it
+    says it needs (no excess)."""
+    m = re.search(r"(?:available HBM \(| of )([\d.]+)([KMGT])?", message)
+    if not m:
+        return _oom_bytes(message)
+    return int(float(m.group(1)) * {None: 1, "K": 1 << 10, "M": 1 << 20, "G": GiB, "T": 1 << 40}[m.group(2)])
+
+
+def _chip_bytes(x, named_sharding) -> float:
+    """Bytes of one chip's shard of array `x` (shape and dtype) under `named_sharding`."""
+    import math
+    return math.prod(named_sharding.shard_shape(x.shape)) * x.dtype.itemsize
+
+
+def _program(terms, cost, oom, peak) -> tuple[Program, dict]:
+    args, out, alias, temp = terms
+    return Program(args, out, alias, peak, oom_bytes=temp if oom else 0, oom=oom), cost
+
+
+def engine_table(results: list[CompiledEngine]) -> str:
+    gib = lambda x: f"{x / GiB:7.2f}"  # noqa: E731
+    head = (f"{'cell':38} mesh(d,f,t)  ranks×slots  pages   ctx width  pool  p.args  p.temp p.total  d.args  d.temp"
+            f" d.total   held  total    hbm fits fit_pages  step_GF  step_GB  step_ms  compile_s")
+    lines = [f"# compiled rollout engine per chip (GiB): one pool per batch rank (pages of "
+             f"{results[0].plan.page_size if results else 0} positions), TPU paged-attention kernel; p.: "
+             f"prefill of one longest prompt per rank; d.: a decode chunk over every slot (args include held: "
+             f"what the run holds beside the engine, the base's stacked layers, LoRA sets, Adam moments); "
+             f"total: the larger program; fit_pages: pages per rank that fit; step_*: one decode step per chip, roofline "
+             f"max(GFLOP / peak, GB / HBM bandwidth) (a model, not a measurement)",
+             head]
+    for c in results:
+        p, d = c.prefill, c.decode
+        lines.append(
+            f"{c.cell:38} {str(c.mesh):12} {f'{c.plan.ranks}×{c.plan.slots}':>11} {c.plan.pages:6d} "
+            f"{c.plan.context:5d} {c.width:5d}{gib(c.plan.pool_bytes)[1:]} {gib(p.argument_bytes)} {gib(p.temp_bytes)} "
+            f"{gib(p.total_bytes)} {gib(d.argument_bytes)} {gib(d.temp_bytes)} {gib(d.total_bytes)} "
+            f"{gib(c.held_bytes)}{gib(c.total_bytes)}{gib(c.hbm_bytes)} {'yes' if c.fits else 'NO':>4} "
+            f"{c.fit_pages:9d} {max(c.step_flops, c.model_step_flops) / 1e9:8.1f} "
+            f"{c.step_bytes / 1e9:8.2f} {c.step_s * 1e3:8.2f} {c.compile_s:10.1f}"
+            + (f"  OOM: {p.oom or d.oom}" if p.oom or d.oom else ""))
     return "\n".join(lines)

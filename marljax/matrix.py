@@ -4,8 +4,8 @@ step-time estimate for an accelerator, the mesh each cell would use, and a plan 
     python -m marljax.matrix --dry-run [--accelerator v5e-8|v6e-8|v5p-8|v4-8|h100|h200|cpu] [--slices K]
     python -m marljax.matrix [--accelerator …] [--out DIR]          # DIR/<cell>.yaml + DIR/plan.md
     python -m marljax.matrix --cell voting-math-qwen3-1.7b-isolated --out DIR   # prints the YAML path
-    python -m marljax.matrix --aot v5e-8 [--cell NAME …]   # compile each cell's train step for a TPU
-                                                          # topology (needs libtpu; `marljax.aot`)
+    python -m marljax.matrix --aot v5e-8 [--cell NAME …] [--aot-part both|train|engine]
+        # compile each cell's train step and rollout engine for a TPU topology (needs libtpu; `marljax.aot`)
 
 42 cells: {eval_opt, voting, orch_workers} × {math, code} × {qwen3-0.6b, 1.7b, 4b} × {shared,
 isolated}, plus single-agent × {math, code} × the three models. Hyperparameters are SPEC §1's: the
@@ -22,11 +22,16 @@ The estimates are an explicit model, per chip, stated so they can be checked:
           lengths need from a trainer: micro-batches of one row per chip, layer rematerialisation,
           a flash-style attention (no T² scores) and log-probs in the trainer's chunks (LOGPROB_CHUNK).
   time    roofline with efficiencies: decode step = max(bytes / (HBM × 0.6), FLOPs / (peak × 0.4))
-          + the FSDP weight all-gather over ICI; every sampler chunk runs all of the cell's max-response
-          decode steps, 5,120 math / 2,048 code (a batch ends with its longest sequence), and every
-          stage runs its full iteration count with prompts at most the paper's cap; train
-          FLOPs = 8·N·tokens (forward, recompute, backward to activations; LoRA has no base weight
-          gradient) on the padded rows `rl.step.pack` builds, at 40% of peak. Upper bounds.
+          + the FSDP weight all-gather over ICI, on the rollout engine (`marljax.engine`, sized by
+          `engine_plan`): continuous batching, so decode steps follow the real tokens — every response
+          has `--response-fill` × the cap (1: 5,120 math / 2,048 code, the upper bound), a step
+          advances every slot in flight and reads their KV pages, a finished sequence's slot is refilled
+          at once, and episodes advance on their own (no stage barrier): steps = max(tokens / slots,
+          the stages of one episode × its response length); prefill once per distinct prompt (a
+          GRPO group's rollouts and a stage's calls share the problem's prompt). Every stage runs its
+          full iteration count with prompts at most the paper's cap; train FLOPs = 8·N·tokens
+          (forward, recompute, backward to activations; LoRA has no base weight gradient) on the
+          padded rows `rl.step.pack` builds, at 40% of peak. Upper bounds at fill 1.
 The mesh replicates the frozen base over `data` when it takes ≤ 25% of HBM, else shards it over the
 fewest `fsdp` ranks that bring it there. The plan runs cells longest-first on `--slices` slices.
 """
@@ -70,6 +75,9 @@ STRATEGY_TOKENS = 128
 # Model efficiencies and budgets (see the module docstring).
 MFU, HBM_EFFICIENCY, HBM_USABLE, BASE_BUDGET = 0.4, 0.6, 0.9, 0.25
 LORA_BYTES = 4  # adapters, their gradients and Adam moments are float32
+# The rollout engine's defaults (`marljax.engine.Engine`): positions per KV page, decode steps per chunk.
+ENGINE_PAGE_SIZE, ENGINE_CHUNK_STEPS = 16, 16
+RESPONSE_FILL = 1.0  # mean response length / the cap: 1 prices every response at the cap (upper bound)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +270,7 @@ class Estimate:
     memory: Memory
     max_cache_tokens: int
     fits: bool
+    engine: EnginePlan
     sample_s: float  # per training step
     train_s: float
     eval_s: float  # one evaluation
@@ -273,28 +282,80 @@ class Estimate:
         return (self.steps * (self.sample_s + self.train_s) + evals * self.eval_s) / 3600
 
 
-def _sampling_seconds(cell: Cell, cfg: ModelConfig, acc: Accelerator, mesh, episodes: int,
-                      max_cache_tokens: int) -> float:
+@dataclasses.dataclass(frozen=True)
+class EnginePlan:
+    """The rollout engine a cell runs (see `engine_plan`): per batch rank (data × fsdp of the mesh; its
+    `tensor` chips split the KV heads) a pool and its slots."""
+
+    ranks: int
+    slots: int  # decode slots per rank
+    pages: int  # pages of each rank's pool, the null page included
+    page_size: int
+    prompt: int  # the longest prompt, padded as the engine pads a prefill (`bucket(·, 16)`)
+    context: int  # the longest sequence: the longest stage prompt + the response cap
+    in_flight: int  # samples the rollout asks for at once, all ranks
+    pool_bytes: float  # KV pool per chip
+
+
+def engine_plan(cell: Cell, cfg: ModelConfig, acc: Accelerator, mesh: tuple[int, int, int],
+                max_cache_tokens: int) -> EnginePlan:
+    """How many pages and slots the cell's engine needs, from the rollout plan and the memory model.
+    Pages: the pool holds what the memory model leaves for KV (`max_cache_tokens`: HBM × HBM_USABLE −
+    base, LoRA, Adam and the rollout weights, over all batch ranks), one pool per batch rank (rows spread
+    evenly over the ranks). Samples in flight: every episode of a step (problems × rollouts) runs at
+    once, each holding at most one stage's calls (its next call is submitted when the last returns), so
+    at most episodes × the widest stage's calls. The scheduler admits a sequence when the pool can hold
+    its worst case (its prompt + the response cap; shared prompt pages not counted here: an upper
+    bound), so slots per rank = min(samples in flight / ranks, the sequences of the cell's shortest
+    stage the pool holds); the longest stage runs fewer at a time (`stage_slots`). The engine fits when
+    its pool holds one sequence of the longest stage."""
+    data, fsdp, tensor = mesh
+    ranks = data * fsdp
+    ps = ENGINE_PAGE_SIZE
+    pages = 1 + max_cache_tokens // ranks // ps
+    in_flight = PROBLEMS * ROLLOUTS * max(s.calls for s in cell.stages())
+    shortest = min(s.prompt for s in cell.stages()) + cell.max_response
+    slots = min(-(-in_flight // ranks), (pages - 1) // -(-shortest // ps))
+    kv_tensor = tensor if cfg.num_kv_heads % tensor == 0 else 1
+    return EnginePlan(ranks=ranks, slots=slots, pages=pages, page_size=ps,
+                      prompt=bucket(max(s.prompt for s in cell.stages()), 16),
+                      context=max(s.prompt for s in cell.stages()) + cell.max_response, in_flight=in_flight,
+                      pool_bytes=pages * ps * kv_bytes_per_token(cfg, acc.dtype) / kv_tensor)
+
+
+def stage_slots(plan: EnginePlan, stage: Stage, response: int) -> int:
+    """Sequences of `stage` one rank's engine runs at once: its slots, or fewer when the pool holds fewer
+    of the stage's worst case (prompt + response cap)."""
+    return min(plan.slots, (plan.pages - 1) // -(-(stage.prompt + response) // plan.page_size))
+
+
+def _sampling_seconds(cell: Cell, cfg: ModelConfig, acc: Accelerator, mesh, plan: EnginePlan, episodes: int,
+                      group: int, fill: float) -> float:
+    """Rollout time of `episodes` episodes on the cell's engine (see the module docstring); `group`:
+    episodes that share the first stage's prompt (the GRPO group), `fill`: mean response / the cap.
+    Each stage's calls take max(their tokens / the sequences in flight, one response) decode steps."""
     data, fsdp, tensor = mesh
     b = dtype_bytes(acc.dtype)
+    kv_tensor = tensor if cfg.num_kv_heads % tensor == 0 else 1
     weights = cfg.num_params() * b / tensor + lora_params(cfg, LORA_RANK) * LORA_BYTES / (fsdp * tensor)
     gather = (fsdp - 1) / fsdp * cfg.num_params() * b / tensor / (acc.ici_gbs * 1e9)
     n_matmul = matmul_params(cfg)
-    total = 0.0
-    for st in cell.stages():
-        rows, p = episodes * st.calls, bucket(st.prompt, 16)
-        length = p + cell.max_response
-        chunk = min(bucket_rows(rows), 1 << max(0, (max_cache_tokens // length).bit_length() - 1))
-        chips_on_batch = data * fsdp if chunk % (data * fsdp) == 0 else 1
-        rows_chip = chunk / chips_on_batch
-        ctx = p + cell.max_response / 2
-        step_bytes = weights + rows_chip * ctx * kv_bytes_per_token(cfg, acc.dtype) / tensor
-        step_flops = rows_chip * (2 * n_matmul + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx) / tensor
-        step = max(step_bytes / (acc.hbm_gbs * 1e9 * HBM_EFFICIENCY),
-                   step_flops / (acc.tflops * 1e12 * MFU)) + gather
-        prefill = rows_chip * p * 2 * n_matmul / tensor / (acc.tflops * 1e12 * MFU)
-        total += math.ceil(rows / chunk) * (cell.max_response * step + prefill)
-    return total
+    attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # FLOPs per query per key position
+    r = fill * cell.max_response
+    total, prefill_flops = 0.0, 0.0
+    for i, st in enumerate(cell.stages()):
+        calls = episodes * st.calls
+        slots = stage_slots(plan, st, cell.max_response)
+        steps = max(calls * r / (slots * plan.ranks), r)
+        rows_chip = calls * r / steps / plan.ranks  # sequences in flight per rank, on average
+        ctx = st.prompt + r / 2  # keys a step reads per sequence, on average
+        step_bytes = weights + rows_chip * ctx * kv_bytes_per_token(cfg, acc.dtype) / kv_tensor
+        step_flops = rows_chip * (2 * n_matmul + attn * ctx) / tensor
+        total += steps * (max(step_bytes / (acc.hbm_gbs * 1e9 * HBM_EFFICIENCY),
+                              step_flops / (acc.tflops * 1e12 * MFU)) + gather)
+        distinct = episodes // group if i == 0 else calls  # the first stage's calls read the problem's prompt
+        prefill_flops += distinct * st.prompt * (2 * n_matmul + attn * st.prompt / 2)
+    return total + prefill_flops / (acc.chips * acc.tflops * 1e12 * MFU)
 
 
 def _train_seconds(cell: Cell, cfg: ModelConfig, acc: Accelerator) -> float:
@@ -325,7 +386,7 @@ def longest_row(cell: Cell) -> int:
     return max(length_bucket(s.prompt + cell.max_response + 1) for s in cell.stages())
 
 
-def estimate(cell: Cell, acc: Accelerator, steps: int = STEPS) -> Estimate:
+def estimate(cell: Cell, acc: Accelerator, steps: int = STEPS, response_fill: float = RESPONSE_FILL) -> Estimate:
     cfg = PRESETS[cell.model]
     mesh = choose_mesh(cfg, acc)
     data, fsdp, tensor = mesh
@@ -346,11 +407,15 @@ def estimate(cell: Cell, acc: Accelerator, steps: int = STEPS) -> Estimate:
         cfg, dtype=acc.dtype, n_sets=cell.n_sets, n_roles=len(cell.roles), rank=LORA_RANK, mesh=mesh,
         cache_rows=cache_rows, cache_len=cache_len, train_rows=0, train_len=0, response_len=0).kv_cache)
     fits = mem.peak <= HBM_USABLE * acc.hbm_gb * 1e9 and max_cache_tokens >= cache_len
-    episodes = PROBLEMS * ROLLOUTS
-    return Estimate(cell=cell, mesh=mesh, memory=mem, max_cache_tokens=max_cache_tokens, fits=fits,
-                    sample_s=_sampling_seconds(cell, cfg, acc, mesh, episodes, max_cache_tokens),
+    plan = engine_plan(cell, cfg, acc, mesh, max_cache_tokens)
+    engine_fits = plan.pages - 1 >= -(-plan.context // plan.page_size)
+    fits = fits and engine_fits
+    return Estimate(cell=cell, mesh=mesh, memory=mem, max_cache_tokens=max_cache_tokens, fits=fits, engine=plan,
+                    sample_s=_sampling_seconds(cell, cfg, acc, mesh, plan, PROBLEMS * ROLLOUTS, ROLLOUTS,
+                                               response_fill) if engine_fits else math.inf,
                     train_s=_train_seconds(cell, cfg, acc),
-                    eval_s=_sampling_seconds(cell, cfg, acc, mesh, EVAL_N[cell.task], max_cache_tokens),
+                    eval_s=_sampling_seconds(cell, cfg, acc, mesh, plan, EVAL_N[cell.task], 1, response_fill)
+                    if engine_fits else math.inf,
                     steps=steps)
 
 
@@ -387,17 +452,19 @@ def table(estimates: list[Estimate], acc: Accelerator, slices: int) -> str:
     where = plan(estimates, slices)
     gb = lambda x: f"{x / 1e9:6.2f}"  # noqa: E731
     head = (f"{'cell':38} sets mesh(d,f,t)  base   lora    opt  grads    act     kv  rollw   peak  fits "
-            f"cache_tok  sample_s train_s  run_h slice")
+            f"cache_tok    slots  sample_s train_s  run_h slice")
     lines = [f"# accelerator {acc.name}: {acc.chips} chips × {acc.hbm_gb} GB HBM, {acc.tflops} TFLOP/s, "
              f"{acc.hbm_gbs} GB/s HBM, {acc.ici_gbs} GB/s ICI; {acc.dtype} base; memory in GB per chip "
-             f"(rollw: the sampler's merged per-layer weights); times are roofline upper bounds "
-             f"(MFU {MFU}, HBM efficiency {HBM_EFFICIENCY})", head]
+             f"(rollw: the sampler's merged per-layer weights); slots: the rollout engine's batch ranks × "
+             f"decode slots per rank; times are roofline upper bounds (MFU {MFU}, HBM efficiency "
+             f"{HBM_EFFICIENCY})", head]
     for e in estimates:
         m = e.memory
         lines.append(f"{e.cell.name:38} {e.cell.n_sets:4d} {str(e.mesh):12} {gb(m.base)} {gb(m.lora)} "
                      f"{gb(m.optimizer)} {gb(m.grads)} {gb(m.activations)} {gb(m.kv_cache)} {gb(m.rollout_weights)} "
                      f"{gb(m.peak)} "
-                     f"{'yes' if e.fits else 'NO':>4} {e.max_cache_tokens:10d} {e.sample_s:9.0f} "
+                     f"{'yes' if e.fits else 'NO':>4} {e.max_cache_tokens:10d} "
+                     f"{f'{e.engine.ranks}×{e.engine.slots}':>8} {e.sample_s:9.0f} "
                      f"{e.train_s:7.0f} {e.run_hours:6.1f} {where[e.cell.name]:5d}")
     per_slice = [sum(e.run_hours for e in estimates if where[e.cell.name] == i) for i in range(slices)]
     lines.append(f"# plan: {len(estimates)} cells on {slices} slice(s) "
@@ -416,12 +483,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--aot", metavar="TOPOLOGY", help="compile each cell's train step for a TPU topology "
                     "(v5e-8, v6e-8, v5p-8) and print its per-chip memory, FLOPs and roofline time; exits 1 if "
                     "a cell does not fit (marljax/aot.py)")
+    ap.add_argument("--aot-part", default="both", choices=("both", "train", "engine"),
+                    help="--aot: compile the train step, the rollout engine (prefill and decode chunk), or both")
     ap.add_argument("--aot-rows", type=int, default=1, help="--aot: rows of the longest sample per chip")
     ap.add_argument("--aot-attention", default="splash", help="--aot: rl.attention (splash, dense, …)")
     ap.add_argument("--aot-logprob-chunk", type=int, help="--aot: response positions per log-prob chunk "
                     "(default: the trainer's)")
     ap.add_argument("--slices", type=int, default=1, help="slices (or hosts) running cells in parallel")
     ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--response-fill", type=float, default=RESPONSE_FILL, help="mean response length as a "
+                    "share of the cap, for the rollout time (1: every response runs to the cap)")
     ap.add_argument("--data-root", default="data", help="directory holding dapo-math-17k/ and deepcoder/")
     args = ap.parse_args(argv)
     if args.slices < 1:
@@ -437,7 +508,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.cell and len(args.cell) > 1 and not args.dry_run:
         ap.error("writing configs takes one --cell (or none for all)")
     acc = ACCELERATORS[args.accelerator]
-    estimates = [estimate(c, acc, args.steps) for c in chosen]
+    if not 0 < args.response_fill <= 1:
+        ap.error("--response-fill must be in (0, 1]")
+    estimates = [estimate(c, acc, args.steps, args.response_fill) for c in chosen]
     if args.dry_run:
         print(table(estimates, acc, args.slices))
         return
@@ -465,25 +538,55 @@ def with_memory_model(r, cell: Cell, cfg: Config):
                                model_temp=est.grads + est.activations)
 
 
-def _aot(chosen: list[Cell], args) -> int:
-    """Compile every chosen cell for the topology, printing rows as they come; 1 if one does not fit."""
+def _aot_engine(cell: Cell, cfg: Config, est: Estimate, acc: Accelerator, topology: str, *, printing: bool,
+                first: bool) -> list:
+    """Compile the cell's engine as `engine_plan` sizes it; while it does not fit (twice at most), again
+    with the pool cut to the pages that fit (`aot.CompiledEngine.fit_pages`). Its rows."""
     from marljax import aot
-    results = []
-    for i, c in enumerate(chosen):
+    model = dataclasses.replace(PRESETS[cell.model], dtype=cfg.dtype)
+    plan, out = est.engine, []
+    for _ in range(3):
+        e = aot.compile_engine(cell, cfg, topology, acc, plan, held_bytes=est.memory.lora + est.memory.optimizer)
+        out.append(dataclasses.replace(e, model_step_flops=e.rows * 2.0 * matmul_params(model) / math.prod(e.mesh)))
+        if printing:
+            lines = aot.engine_table(out[-1:]).splitlines()
+            print("\n".join(lines if first and len(out) == 1 else lines[-1:]), flush=True)
+        if out[-1].fits or out[-1].fit_pages - 1 < -(-plan.context // plan.page_size):
+            break
+        plan = engine_plan(cell, model, acc, est.mesh, (out[-1].fit_pages - 1) * plan.page_size * plan.ranks)
+    return out
+
+
+def _aot(chosen: list[Cell], args) -> int:
+    """Compile every chosen cell for the topology (the train step, the rollout engine or both, as
+    `--aot-part` says), printing rows as they come: the train steps' table, then the engines'; 1 if
+    one does not fit."""
+    from marljax import aot
+    train, engines = [], []
+    for c in chosen:
         try:
             aot.topology_devices(args.aot)  # an unknown topology or no libtpu: AotError naming the fix
             acc = ACCELERATORS[args.aot]
-            cfg = cell_config(estimate(c, acc), acc)
-            r = aot.compile_cell(c, cfg, args.aot, acc, rows_per_chip=args.aot_rows,
-                                 attention=args.aot_attention, logprob_chunk=args.aot_logprob_chunk)
-            results.append(with_memory_model(r, c, cfg))
+            est = estimate(c, acc)
+            cfg = cell_config(est, acc)
+            if args.aot_part in ("both", "train"):
+                r = aot.compile_cell(c, cfg, args.aot, acc, rows_per_chip=args.aot_rows,
+                                     attention=args.aot_attention, logprob_chunk=args.aot_logprob_chunk)
+                train.append(with_memory_model(r, c, cfg))
+                lines = aot.table(train[-1:]).splitlines()
+                print("\n".join(lines if len(train) == 1 else lines[-1:]), flush=True)
+            if args.aot_part in ("both", "engine"):
+                engines += _aot_engine(c, cfg, est, acc, args.aot, printing=args.aot_part == "engine",
+                                       first=not engines)
         except aot.AotError as e:
             print(f"python -m marljax.matrix: {e}", file=sys.stderr)
             return 2
-        lines = aot.table(results[-1:]).splitlines()
-        print("\n".join(lines if i == 0 else lines[-1:]), flush=True)
-    bad = [r.cell for r in results if not r.fits]
-    print(f"# {len(results) - len(bad)} of {len(results)} cells fit on {args.aot}"
+    if engines and args.aot_part == "both":
+        print(aot.engine_table(engines), flush=True)
+    fitting = {e.cell for e in engines if e.fits}
+    bad = [r.cell for r in train if not r.fits] + [f"{e.cell} (engine)" for e in engines if e.cell not in fitting]
+    bad = list(dict.fromkeys(bad))
+    print(f"# {len(chosen) - len({b.split()[0] for b in bad})} of {len(chosen)} cells fit on {args.aot}"
           + (f"; not: {', '.join(bad)}" if bad else ""), flush=True)
     return 1 if bad else 0
 

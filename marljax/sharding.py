@@ -256,16 +256,21 @@ def constrain(x, axes):
     return jax.lax.with_sharding_constraint(x, logical_spec(axes, x.shape, mesh, rules))
 
 
-def shard_map_logical(fn, args, in_axes, out_axes):
+def shard_map_logical(fn, args, in_axes, out_axes, out_like: tuple[int, ...] | None = None):
     """`fn(*args)` run once per shard (`jax.shard_map`) inside `use_mesh`, each argument and the
     output split by the specs of their logical axis names (see `constrain`); `fn(*args)` elsewhere.
-    For kernels XLA cannot partition itself (Pallas/Mosaic custom calls)."""
+    For kernels XLA cannot partition itself (Pallas/Mosaic custom calls). One output shaped like
+    args[0], or, with `out_like`, a tuple of outputs shaped like args[i] for i in `out_like`, whose
+    axes `out_axes` lists in order."""
     rules = _ACTIVE_RULES.get()
     mesh = jax.sharding.get_abstract_mesh()
     if rules is None or mesh.empty:
         return fn(*args)
     specs = [logical_spec(axes, x.shape, mesh, rules) for axes, x in zip(in_axes, args)]
-    out_spec = logical_spec(out_axes, args[0].shape, mesh, rules)
+    if out_like is None:
+        out_spec = logical_spec(out_axes, args[0].shape, mesh, rules)
+    else:
+        out_spec = tuple(logical_spec(axes, args[i].shape, mesh, rules) for axes, i in zip(out_axes, out_like))
     return jax.shard_map(fn, mesh=mesh, in_specs=tuple(specs), out_specs=out_spec, check_vma=False)(*args)
 
 

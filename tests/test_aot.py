@@ -1,5 +1,6 @@
 """Ahead-of-time compile of the train step for a TPU topology on this CPU machine (marljax/aot.py), and
 CPU runs unchanged with libtpu installed."""
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -83,3 +84,34 @@ def test_splash_runs_per_shard_on_a_mesh():
     err, spec = out.stdout.strip().split(" ", 1)
     print(f"max |splash - dense| = {err}; output sharding {spec}")
     assert float(err) < 1e-5 and "data" in spec and "tensor" in spec
+
+
+@pytest.mark.slow  # two TPU compiles of a 2-layer engine: ~45 s wall on this project's 2-core box
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed (pip install libtpu==0.0.42.1, requirements-test.txt)")
+def test_rollout_engine_compiles_for_v5e_with_its_pool_in_place():
+    """The engine's prefill and decode chunk (the real jitted functions, the TPU kernel path, one pool per
+    data rank) for a Qwen3-0.6B-shaped cell at 2 layers on v5e-8: they fit; the decode chunk's arguments
+    are the bf16 weights, the sampler's per-layer copy of the layers and one rank's pool (to 1%); the pool
+    is donated (aliased, not copied); XLA counts one decode step's matmuls (the while body once) at the
+    model's 2 × matmul parameters per row (within 10%)."""
+    from marljax import aot
+    from marljax.engine.kv_pages import page_bytes
+    from marljax.models.presets import PRESETS
+    cell = next(c for c in matrix.cells() if c.name == "single-code-qwen3-0.6b")
+    acc = matrix.ACCELERATORS["v5e-8"]
+    est = matrix.estimate(cell, acc)
+    cfg = matrix.cell_config(est, acc)
+    t0 = time.perf_counter()
+    e = aot.compile_engine(cell, cfg, "v5e-8", acc, est.engine, layers=2)
+    model = dataclasses.replace(PRESETS[cfg.model], dtype=cfg.dtype, num_layers=2)
+    print(aot.engine_table([e]), f"\n{time.perf_counter() - t0:.0f} s")
+    assert e.fits and e.mesh == (8, 1, 1) and e.rows == 8 * est.engine.slots
+    pool = est.engine.pages * page_bytes(model, est.engine.page_size)  # one rank's pool per chip
+    # bf16: the embedding and final norm, the stacked layers (held as one live argument: the decode reads
+    # the per-layer copy) and that copy, and the pool
+    weights = (model.num_params() + matrix.layer_params(model)) * 2
+    assert abs(e.decode.argument_bytes - (weights + pool)) < 0.01 * (weights + pool)
+    assert e.held_bytes == matrix.layer_params(model) * 2
+    assert e.decode.alias_bytes >= pool and e.decode.output_bytes - e.decode.alias_bytes < 0.01 * pool
+    model_flops = e.rows / 8 * 2 * matrix.matmul_params(model)
+    assert abs(e.step_flops - model_flops) < 0.1 * model_flops

@@ -130,3 +130,25 @@ def test_cpu_accelerator_is_the_measured_roof():
     memory = float(re.search(r"memory size: ([\d.]+) GB", section).group(1))
     cpu = matrix.ACCELERATORS["cpu"]
     assert (cpu.tflops * 1e3, cpu.hbm_gbs, cpu.hbm_gb) == pytest.approx((gflops, gbs, memory))
+
+
+def test_engine_plan_and_rollout_time_follow_the_real_tokens():
+    """The engine's pool is the memory model's KV budget split over the batch ranks and holds one sequence
+    of the longest stage; slots are capped by the samples in flight; the rollout time follows the real
+    tokens (half-length responses: about half the time, less since their steps read shorter contexts)
+    and a GRPO group's shared prompt is prefilled once (fewer rollouts per prompt: more prefill)."""
+    acc = matrix.ACCELERATORS["v5e-8"]
+    for name in ("eval_opt-math-qwen3-4b-isolated", "single-code-qwen3-0.6b", "voting-math-qwen3-1.7b-shared"):
+        cell = next(c for c in matrix.cells() if c.name == name)
+        est = matrix.estimate(cell, acc)
+        plan, cfg = est.engine, PRESETS[cell.model]
+        per_chip = (plan.pages - 1) * plan.page_size * matrix.kv_bytes_per_token(cfg, acc.dtype)
+        assert per_chip <= est.max_cache_tokens / plan.ranks * matrix.kv_bytes_per_token(cfg, acc.dtype)
+        assert (plan.pages - 1) * plan.page_size >= plan.context and plan.ranks == est.mesh[0] * est.mesh[1]
+        assert 1 <= plan.slots <= -(-plan.in_flight // plan.ranks)
+        half = matrix.estimate(cell, acc, response_fill=0.5)
+        assert 0.3 * est.sample_s < half.sample_s < 0.55 * est.sample_s, (name, est.sample_s, half.sample_s)
+    single = next(c for c in matrix.cells() if c.name == "single-math-qwen3-4b")
+    est = matrix.estimate(single, acc)
+    args = (single, PRESETS[single.model], acc, est.mesh, est.engine, 512)
+    assert matrix._sampling_seconds(*args, 1, 1.0) > matrix._sampling_seconds(*args, 8, 1.0)

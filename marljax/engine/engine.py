@@ -33,7 +33,8 @@ import numpy as np
 from flax import nnx
 
 from marljax.engine.draw import SampleOutput, SamplingParams, sample_rows
-from marljax.engine.kv_pages import NULL_PAGE, PagePool, copy_pages, grow_pages, init_pages, page_bytes, pages_for
+from marljax.engine.kv_pages import (NULL_PAGE, PagePool, copy_pages, grow_pages, init_pages, page_bytes, pages_for,
+                                     pool_pages)
 from marljax.engine.paged_attention import paged_cache_attention
 from marljax.engine.scheduler import Scheduler
 from marljax.models.decoder import Decoder
@@ -58,15 +59,17 @@ class EngineStats:
 
 class Engine:
     """See the module docstring. `num_pages` fixes the pool (requests wait for pages; a prompt that
-    cannot fit alone is refused); None lets it grow."""
+    cannot fit alone is refused); None lets it grow. `attention`: the paged-attention path
+    (`marljax.engine.paged_attention.PAGED_ATTENTIONS`; auto: the TPU kernel on a TPU)."""
 
     def __init__(self, model: Decoder, *, num_slots: int = 64, page_size: int = 16, num_pages: int | None = None,
-                 chunk_steps: int = 16, share_prefixes: bool = True):
+                 chunk_steps: int = 16, share_prefixes: bool = True, attention: str = "auto"):
         if num_slots < 1 or page_size < 1 or chunk_steps < 1:
             raise ValueError(f"num_slots={num_slots}, page_size={page_size} and chunk_steps={chunk_steps} "
                              "must be ≥ 1.")
         self.model, self.num_slots, self.page_size = model, num_slots, page_size
         self.num_pages, self.chunk_steps, self.share_prefixes = num_pages, chunk_steps, share_prefixes
+        self.attention = attention
         self.graphdef, self.state = nnx.split(model)
         self.stats = EngineStats()
         self._spare = None  # a pool no stream holds, reused by the next one
@@ -128,12 +131,12 @@ class Engine:
             groups_g = np.bincount([p.group for p in prefixes], minlength=num_sets).astype(np.int32)
             lora = {**lora, "lora_groups": groups_g}
         pages, hidden_nd = _prefill(self.graphdef, self.state, layers, pages, tokens_nt, start_n, table_nw, last_n,
-                                    lora)
+                                    lora, attention=self.attention)
         return pages, hidden_nd[np.argsort(order)]
 
     def _take_pool(self, num_pages: int) -> list[dict]:
         spare, self._spare = self._spare, None
-        if spare is not None and spare[0]["k"].shape[0] == num_pages:
+        if spare is not None and pool_pages(spare) == num_pages:
             return spare
         return init_pages(self.model.config, num_pages, self.page_size)
 
@@ -148,7 +151,7 @@ class Stream:
         self.lora = None if lora is None else {"lora": lora, "lora_scale": jnp.float32(lora_scale)}
         cfg, ps = engine.model.config, engine.page_size
         self.growable = not engine.num_pages
-        spare = engine._spare[0]["k"].shape[0] if engine._spare is not None else 2
+        spare = pool_pages(engine._spare) if engine._spare is not None else 2
         self.pool = PagePool(engine.num_pages or spare)
         self.pages = engine._take_pool(self.pool.num_pages)
         self.sched = Scheduler(self.pool, engine.num_slots, ps, params.max_new_tokens, engine.share_prefixes,
@@ -225,7 +228,7 @@ class Stream:
             self.pages, out = _decode_chunk(
                 e.graphdef, e.state, self.layers, self.pages, b["page_table"], b["token"], b["pos"], b["n_gen"],
                 b["live"], self.keys_nk[b["request"]], jnp.int32(self.params.max_new_tokens), lora,
-                steps=e.chunk_steps, stops=self.stops, **self.sampling)
+                steps=e.chunk_steps, stops=self.stops, attention=e.attention, **self.sampling)
             out = jax.tree.map(np.asarray, out)
             stats.decode_chunks += 1
             stats.decode_steps += int(out["steps"]) * rows
@@ -252,15 +255,15 @@ class Stream:
         self.pool.grow(n)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-def _prefill(graphdef, state, layers, pages, tokens_nt, start_n, table_nw, last_n, lora):
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3, static_argnames="attention")
+def _prefill(graphdef, state, layers, pages, tokens_nt, start_n, table_nw, last_n, lora, *, attention="auto"):
     """Row i's tokens at positions start_n[i] …, attending its pages before them too (a cached prefix);
     the hidden state at row i's token last_n[i]."""
     model = nnx.merge(graphdef, state)
     n, T = tokens_nt.shape
     positions_nt = start_n[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     h_ntd, pages = model.hidden(tokens_nt, positions_nt, cache=pages, layers=layers,
-                                cache_attention=paged_cache_attention(table_nw), **(lora or {}))
+                                cache_attention=paged_cache_attention(table_nw, attention), **(lora or {}))
     return pages, jnp.take_along_axis(h_ntd, last_n[:, None, None], axis=1)[:, 0]
 
 
@@ -272,9 +275,9 @@ def _first_tokens(graphdef, state, hidden_md, keys_mk, *, temperature, top_p, to
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3,
-                   static_argnames=("steps", "temperature", "top_p", "top_k", "stops"))
+                   static_argnames=("steps", "temperature", "top_p", "top_k", "stops", "attention"))
 def _decode_chunk(graphdef, state, layers, pages, table_sw, token_s, pos_s, n_gen_s, live_s, keys_sk, max_new, lora,
-                  *, steps, temperature, top_p, top_k, stops):
+                  *, steps, temperature, top_p, top_k, stops, attention="auto"):
     """Up to `steps` decode steps over every slot (fewer when all are done). A slot stops on a stop token
     or at max_new tokens; a done slot keeps rewriting its last position with the token it read there
     (inside its own pages), so it never writes past what the scheduler gave it. `lora`: None, or the
@@ -282,7 +285,7 @@ def _decode_chunk(graphdef, state, layers, pages, table_sw, token_s, pos_s, n_ge
     model = nnx.merge(graphdef, state)
     S = token_s.shape[0]
     stop_ids = jnp.asarray(stops, jnp.int32)
-    attend = paged_cache_attention(table_sw)
+    attend = paged_cache_attention(table_sw, attention)
 
     def cond(carry):
         return (carry["i"] < steps) & ~jnp.all(carry["done"])

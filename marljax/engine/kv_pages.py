@@ -6,8 +6,14 @@ it absorbs the writes of padded rows and positions (page tables are filled with 
 pages) and is never read for a real position. Pages are refcounted: a prompt's full pages can be shared
 by every sequence that continues that prompt (`marljax.engine.scheduler`).
 
-Device layout, per layer: {"k": [pages, page_size, kv_heads, head_dim], "v": same}: a gather of a page
-table [B, W] reads [B, W·page_size, kv_heads, head_dim] keys with no transpose of the pool.
+Device layout, per layer: {"kv": [ranks, pages, page_size, 2·kv_heads, head_dim]}, keys at the even and
+values at the odd combined heads: the layout of the TPU's ragged paged-attention kernel, which the gather
+path reads too (`marljax.engine.paged_attention`); a gather of a page table [B, W] reads
+[B, W·page_size, 2·kv_heads, head_dim] with no transpose of the pool. `ranks` pools of `pages` pages
+each: a data-parallel engine on a mesh keeps one pool per batch rank (split over the mesh like the
+rows; rows are split evenly over the ranks in order and their page tables index their rank's pool, so
+each chip holds only its own rows' pages); with one rank (the default: the host scheduler keeps one
+pool) it is replicated over the batch ranks.
 """
 from __future__ import annotations
 
@@ -21,11 +27,21 @@ from marljax.models.decoder import ModelConfig
 NULL_PAGE = 0
 
 
-def init_pages(config: ModelConfig, num_pages: int, page_size: int, dtype=None) -> list[dict]:
+def init_pages(config: ModelConfig, num_pages: int, page_size: int, dtype=None, ranks: int = 1) -> list[dict]:
     """Zeroed page pool for every layer (see the module docstring for the layout)."""
     dt = dtype or config.jnp_dtype
-    shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
-    return [{"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)} for _ in range(config.num_layers)]
+    shape = pool_shape(config, num_pages, page_size, ranks)
+    return [{"kv": jnp.zeros(shape, dt)} for _ in range(config.num_layers)]
+
+
+def pool_shape(config: ModelConfig, num_pages: int, page_size: int, ranks: int = 1) -> tuple[int, ...]:
+    """One layer's pool: [ranks, pages, page_size, 2·kv_heads, head_dim]."""
+    return (ranks, num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
+
+
+def pool_pages(pages: list[dict]) -> int:
+    """Pages in each rank's pool (the null page included)."""
+    return pages[0]["kv"].shape[1]
 
 
 def page_bytes(config: ModelConfig, page_size: int, dtype=None) -> int:
@@ -41,15 +57,16 @@ def pages_for(positions: int, page_size: int) -> int:
 
 @functools.partial(jax.jit, donate_argnums=0)
 def copy_pages(pages: list[dict], src, dst) -> list[dict]:
-    """Copy page src[i] onto page dst[i] in every layer (in place: the pool is donated)."""
-    return [{name: a.at[dst].set(a[src]) for name, a in layer.items()} for layer in pages]
+    """Copy page src[i] onto page dst[i] of the first rank's pool in every layer (in place: the pool is
+    donated)."""
+    return [{name: a.at[0, dst].set(a[0, src]) for name, a in layer.items()} for layer in pages]
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def grow_pages(pages: list[dict], extra: int) -> list[dict]:
-    """The pool with `extra` zeroed pages appended (page ids are kept)."""
-    return [{name: jnp.concatenate([a, jnp.zeros((extra,) + a.shape[1:], a.dtype)]) for name, a in layer.items()}
-            for layer in pages]
+    """The pool with `extra` zeroed pages appended to each rank's pool (page ids are kept)."""
+    return [{name: jnp.concatenate([a, jnp.zeros(a.shape[:1] + (extra,) + a.shape[2:], a.dtype)], axis=1)
+             for name, a in layer.items()} for layer in pages]
 
 
 class PagePool:

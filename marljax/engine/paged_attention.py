@@ -1,43 +1,188 @@
-"""Attention over KV pages (gather-based, pure JAX: the CPU path) and the cache hook the decoder calls.
+"""Attention over KV pages, and the cache hook the decoder calls: a gather path in pure JAX (CPU) and
+the TPU's ragged paged-attention kernel, chosen by backend.
 
-`paged_cache_attention(page_table_bw)` is the decoder's `cache_attention` for one forward pass: each
-layer writes its T new keys and values at their positions through the page table, then every query
-attends the keys at positions ≤ its own, read by gathering the row's W pages ([B, W·page_size] keys).
-The page-table width W is what the engine buckets per call, so attention reads the pages of the
-sequences in flight (their longest one, rounded up), not a padded maximum length. The softmax is the
-decoder's (`marljax.models.attention.attention`, float32), so a paged row equals a dense-cache row.
-Shapes: q [B, T, H, Dh]; k, v [B, T, K, Dh]; pages [N, page_size, K, Dh]; page_table [B, W] int32;
-positions [B, T] int32.
+`paged_cache_attention(page_table_bw, impl)` is the decoder's `cache_attention` for one forward pass:
+each layer writes its T new keys and values at their positions through the page table, then every query
+attends the keys at positions ≤ its own. `impl` (`PAGED_ATTENTIONS`):
+  gather  reads each row's W pages with a gather ([B, W·page_size] keys) and runs the decoder's softmax
+          (`marljax.models.attention.attention`, float32), so a paged row equals a dense-cache row; the
+          page-table width W is what the engine buckets per call, so attention reads the pages of the
+          sequences in flight (their longest one, rounded up), not a padded maximum length
+  kernel  `jax.experimental.pallas.ops.tpu.ragged_paged_attention`: the Mosaic kernel reads the pages
+          of each row up to its own length straight from HBM (online softmax, float32); compiled for a
+          TPU (also ahead of time for a TPU topology, `marljax.aot`), in Pallas' TPU interpreter on any
+          other backend (see `KERNEL_MODES`). It takes each row's T queries as its last T positions
+          (the engine's prefill rows start at 0, its decode rows hold one query): `kernel_cache_attention`
+  auto    the kernel when the code is traced for a TPU (`models.attention.target_backend`), else gather.
+There is no GPU kernel here (Pallas' GPU paged attention is not wired in: no GPU to check it on); a GPU
+takes the gather path.
+
+Pool layout (`marljax.engine.kv_pages`), per layer {"kv": [R, pages, page_size, 2·kv_heads, head_dim]}:
+R rank pools, keys at the even and values at the odd combined heads (the kernel's layout, which the
+gather path reads as well: no conversion per step). Rows are split evenly over the R pools in order (row
+b belongs to pool b·R // B) and their page tables index their own pool. On a mesh
+(`sharding.use_mesh`) the rows split like the batch and the R pools with them (R = the batch ranks: each
+chip holds its rows' pages only, and writes and reads them per shard; R = 1: the pool is replicated and
+XLA writes every new key on every chip); heads split over `tensor` when the KV heads divide. The kernel
+runs per shard (`jax.shard_map`: XLA cannot partition a Pallas kernel).
+Shapes: q [B, T, H, Dh]; k, v [B, T, K, Dh]; pool [R, N, page_size, 2K, Dh]; page_table [B, W] int32
+(pool-local page ids); positions [B, T] int32.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+
+import jax
 import jax.numpy as jnp
 
-from marljax.models.attention import attention
+from marljax import sharding
+from marljax.models.attention import attention, target_backend
+
+PAGED_ATTENTIONS = ("auto", "gather", "kernel")
+# The kernel's block sizes: KV pages and queries per grid step. Its own table of tuned sizes
+# (`ragged_paged_attention.tuned_block_sizes`) keys on the device it runs on, which a CPU host compiling
+# for a TPU is not; these are that table's entries for 16-position pages at its longest contexts on v5
+# and v6 (Qwen3's 32 query / 8 KV heads of 128). Its untuned default, 128 pages, overflows v5e's scoped
+# VMEM for 16 combined KV heads (measured: CompileTimeScopedVmemOom).
+KERNEL_KV_PAGES, KERNEL_QUERIES = 16, 32
+# How the kernel runs: compiled by Mosaic (TPU), in Pallas' TPU interpreter (any backend; jax 0.10.2's
+# interpreter cannot run this kernel yet: it reads a reshaped VMEM ref, `tests/test_engine.py` pins
+# that), or as the kernel module's own pure-JAX reference on the same arguments (checks the arguments
+# and the layout on CPU).
+KERNEL_MODES = ("mosaic", "interpret", "reference")
 
 
-def write_pages(pages_npkd, new_btkd, page_table_bw, positions_bt):
-    """`pages` with new_btkd[b, t] written at position positions_bt[b, t] of row b's pages."""
-    page_size = pages_npkd.shape[1]
-    page_bt = jnp.take_along_axis(page_table_bw, positions_bt // page_size, axis=1)
-    return pages_npkd.at[page_bt, positions_bt % page_size].set(new_btkd.astype(pages_npkd.dtype))
+def resolve_paged_attention(name: str, backend: str | None = None) -> str:
+    """The path `name` runs as on `backend` (default: the backend being traced for)."""
+    if name not in PAGED_ATTENTIONS:
+        raise ValueError(f"paged attention {name!r}; choose from {PAGED_ATTENTIONS} (auto: the kernel on a "
+                         "TPU, gather elsewhere).")
+    if name != "auto":
+        return name
+    return "kernel" if (backend or target_backend()) == "tpu" else "gather"
 
 
-def paged_attention(q_bthd, k_pages, v_pages, page_table_bw, positions_bt):
-    """Grouped-query attention of each query over its row's keys at positions ≤ its own."""
-    B, W = page_table_bw.shape
-    page_size, K, Dh = k_pages.shape[1:]
+def interleave(k_btkd, v_btkd):
+    """[B, T, 2K, Dh]: keys at the even and values at the odd heads (the pool's layout)."""
+    B, T, K, Dh = k_btkd.shape
+    return jnp.stack([k_btkd, v_btkd.astype(k_btkd.dtype)], axis=3).reshape(B, T, 2 * K, Dh)
+
+
+def flat_pages(pool_rnpcd, page_table_bw):
+    """The pool as one page axis [R·N, page_size, 2K, Dh] and the rows' page ids in it [B, W]."""
+    R, N = pool_rnpcd.shape[:2]
+    B = page_table_bw.shape[0]
+    if B % R:
+        raise ValueError(f"{B} rows cannot be split evenly over {R} rank pools.")
+    rank_b = jnp.arange(B, dtype=jnp.int32) * R // B
+    return pool_rnpcd.reshape(R * N, *pool_rnpcd.shape[2:]), page_table_bw + (rank_b * N)[:, None]
+
+
+def write_pages(pool_rnpcd, new_btcd, page_table_bw, positions_bt):
+    """`pool` with new_btcd[b, t] written at position positions_bt[b, t] of row b's pages."""
+    pages_npcd, table_bw = flat_pages(pool_rnpcd, page_table_bw)
+    page_size = pages_npcd.shape[1]
+    page_bt = jnp.take_along_axis(table_bw, positions_bt // page_size, axis=1)
+    pages_npcd = pages_npcd.at[page_bt, positions_bt % page_size].set(new_btcd.astype(pages_npcd.dtype))
+    return pages_npcd.reshape(pool_rnpcd.shape)
+
+
+def gather_attention(q_bthd, pool_rnpcd, page_table_bw, positions_bt):
+    """Grouped-query attention of each query over its row's keys at positions ≤ its own (gathered)."""
+    return _gathered(q_bthd, *flat_pages(pool_rnpcd, page_table_bw), positions_bt)
+
+
+def _gathered(q_bthd, pages_npcd, table_bw, positions_bt):
+    B, W = table_bw.shape
+    page_size, C, Dh = pages_npcd.shape[1:]
     S = W * page_size
-    k_bskd = k_pages[page_table_bw].reshape(B, S, K, Dh)
-    v_bskd = v_pages[page_table_bw].reshape(B, S, K, Dh)
+    kv_bscd = pages_npcd[table_bw].reshape(B, S, C, Dh)
+    k_bksd = kv_bscd[:, :, 0::2].transpose(0, 2, 1, 3)
+    v_bkds = kv_bscd[:, :, 1::2].transpose(0, 2, 3, 1)
     mask_bts = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= positions_bt[:, :, None]
-    return attention(q_bthd, k_bskd.transpose(0, 2, 1, 3), v_bskd.transpose(0, 2, 3, 1), mask_bts, "cache")
+    return attention(q_bthd, k_bksd, v_bkds, mask_bts, "cache")
 
 
-def paged_cache_attention(page_table_bw):
-    """The decoder's `cache_attention` hook over one layer's pages {"k", "v"} (see module docstring)."""
+def kernel_cache_attention(q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt, *, mode: str | None = None):
+    """Write the new keys and values into the pool, then the ragged paged-attention kernel over rows
+    whose T queries are their last T positions (row b attends its first positions_bt[b, −1] + 1 keys,
+    query t the keys up to its own position); per shard on a mesh. `mode`: `KERNEL_MODES` (default:
+    mosaic when tracing for a TPU, else interpret). Returns (attention [B, T, H, Dh], the pool)."""
+    return per_shard(functools.partial(_kernel, mode=_kernel_mode(mode)), q_bthd, new_btcd, pool_rnpcd,
+                     page_table_bw, positions_bt)
+
+
+def per_shard(attend, q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt):
+    """Write, then `attend(q, pages [R·N, …], page ids [B, W], positions)` once per shard on a mesh, rows
+    split like the batch: (attention, pool). Rank pools (R > 1) must split over the mesh as the rows do:
+    each shard writes and reads its own pool. One pool (R = 1) is replicated: XLA writes every new key
+    on every chip (a partitioned scatter) before the shards read it."""
+    heads = "act_kv_heads"
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and "tensor" in mesh.axis_names and (pool_rnpcd.shape[3] // 2) % mesh.shape["tensor"]:
+        heads = None  # fewer KV heads than tensor ranks: every shard takes all heads
+    q_axes = ("batch", "length", None if heads is None else "act_heads", "head_dim")
+    pool_axes = ("batch", None, None, heads, "head_dim")
+    R, B = pool_rnpcd.shape[0], q_bthd.shape[0]
+
+    def read(q_bthd, pool_rnpcd, page_table_bw, positions_bt):
+        return attend(q_bthd, *flat_pages(pool_rnpcd, page_table_bw), positions_bt)
+
+    def write_read(q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt):
+        if pool_rnpcd.shape[0] * B != R * q_bthd.shape[0]:
+            raise ValueError(f"{R} rank pools on a mesh must split like the {B} rows (per shard: "
+                             f"{pool_rnpcd.shape[0]} pools, {q_bthd.shape[0]} rows).")
+        pool_rnpcd = write_pages(pool_rnpcd, new_btcd, page_table_bw, positions_bt)
+        return read(q_bthd, pool_rnpcd, page_table_bw, positions_bt), pool_rnpcd
+
+    if R == 1:
+        pool_rnpcd = write_pages(pool_rnpcd, new_btcd, page_table_bw, positions_bt)
+        return sharding.shard_map_logical(
+            read, (q_bthd, pool_rnpcd, page_table_bw, positions_bt),
+            (q_axes, pool_axes, ("batch", None), ("batch", "length")), q_axes), pool_rnpcd
+    return sharding.shard_map_logical(
+        write_read, (q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt),
+        (q_axes, ("batch", "length", heads, "head_dim"), pool_axes, ("batch", None), ("batch", "length")),
+        (q_axes, pool_axes), out_like=(0, 2))
+
+
+def _kernel_mode(mode: str | None) -> str:
+    mode = mode or ("mosaic" if target_backend() == "tpu" else "interpret")
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernel mode {mode!r}; choose from {KERNEL_MODES}.")
+    return mode
+
+
+def _kernel(q_bthd, pages_npcd, page_table_bw, positions_bt, *, mode: str):
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as ragged
+
+    B, T, H, Dh = q_bthd.shape
+    W = page_table_bw.shape[1]
+    args = (q_bthd.reshape(B * T, H, Dh), pages_npcd, positions_bt[:, -1] + 1, page_table_bw,
+            jnp.arange(B + 1, dtype=jnp.int32) * T, jnp.full((1,), B, jnp.int32))
+    if mode == "reference":
+        out = ragged.ref_ragged_paged_attention(*args, sm_scale=Dh ** -0.5)
+    else:
+        call = functools.partial(ragged.ragged_paged_attention, *args, sm_scale=Dh ** -0.5,
+                                 num_kv_pages_per_block=min(W, KERNEL_KV_PAGES),
+                                 num_queries_per_block=min(B * T, KERNEL_QUERIES))
+        with pltpu.force_tpu_interpret_mode() if mode == "interpret" else contextlib.nullcontext():
+            out = call()
+    return out.reshape(B, T, H, Dh)
+
+
+def paged_cache_attention(page_table_bw, impl: str = "auto"):
+    """The decoder's `cache_attention` hook over one layer's pool {"kv"} (see the module docstring)."""
+    impl = resolve_paged_attention(impl)
+
     def hook(q_bthd, k_btkd, v_btkd, kv, positions_bt):
-        kv = {"k": write_pages(kv["k"], k_btkd, page_table_bw, positions_bt),
-              "v": write_pages(kv["v"], v_btkd, page_table_bw, positions_bt)}
-        return paged_attention(q_bthd, kv["k"], kv["v"], page_table_bw, positions_bt), kv
+        new_btcd = interleave(k_btkd, v_btkd)
+        if impl == "kernel":
+            attn, pool = kernel_cache_attention(q_bthd, new_btcd, kv["kv"], page_table_bw, positions_bt)
+        else:
+            pool = write_pages(kv["kv"], new_btcd, page_table_bw, positions_bt)
+            attn = gather_attention(q_bthd, pool, page_table_bw, positions_bt)
+        return attn, {"kv": pool}
     return hook
