@@ -6,6 +6,7 @@ import platform
 
 from marljax import host_memory
 
+host_memory.skip_absent_tpu()  # libtpu without a TPU: keep jax from probing for one (marljax/host_memory.py)
 host_memory.retain()  # before jax: keeps freed host memory (marljax/host_memory.py)
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
