@@ -5,7 +5,7 @@ SmolLM2-135M-Instruct, GSM8K test questions in the math `solve` prompt (chat tem
 stop on the chat's end tokens. Contenders, alternated within each repeat (the machine drifts):
   engine  `marljax.engine.Engine.generate` (continuous batching over `--slots` slots, paged KV, shared
           prompt prefixes)
-  static  `marljax.sampling.generate`, one call over the whole batch: prefill + `lax.while_loop` over a
+  static  `marljax.static_sampler.generate_static` (the sampler before the engine), one call over the whole batch: prefill + `lax.while_loop` over a
           padded [B, P + max_new] cache until every row is done
   hf      transformers `generate` (torch CPU float32) on the same batch, left-padded
 The engine and the static sampler read the per-layer weights the trainer makes once per sampling call
@@ -36,7 +36,8 @@ import numpy as np
 from marljax.engine import Engine
 from marljax.models import ChatCodec, load_model, load_tokenizer
 from marljax.models.sources import smollm2_gguf_path
-from marljax.sampling import SamplingParams, generate, layer_weights
+from marljax.sampling import SamplingParams, layer_weights
+from marljax.static_sampler import generate_static
 from marljax.shapes import bucket, bucket_rows
 from marljax.workflows.prompts import prompt_set
 
@@ -65,7 +66,7 @@ def run_engine(ctx, prompts, seed):
 
 def run_static(ctx, prompts, seed):
     t = time.perf_counter()
-    out = generate(ctx["model"], prompts, params(ctx["codec"], seed), layers=ctx["layers"])
+    out = generate_static(ctx["model"], prompts, params(ctx["codec"], seed), layers=ctx["layers"])
     return time.perf_counter() - t, sum(map(len, out.tokens))
 
 
@@ -144,7 +145,7 @@ def main():
              f"{args.repeats} repeats (one seed each, shared by the contenders). Excluded: compile time (every "
              "contender first runs the workload once, untimed: first-run seconds in the last column). Engine: "
              f"{args.slots} slots, pages of {ctx['engine'].page_size} positions, chunks of "
-             f"{ctx['engine'].chunk_steps} steps; static = `marljax.sampling.generate` (one call, the trainer's "
+             f"{ctx['engine'].chunk_steps} steps; static = `marljax.static_sampler.generate_static` (one call, the trainer's "
              "`layer_weights`); hf = transformers `generate`, torch CPU float32, left-padded batch.", "",
              "| contender | useful tok/s | wall s per call | first run s (compile included) |", "|---|---|---|---|"]
     for name in CONTENDERS:

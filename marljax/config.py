@@ -145,7 +145,9 @@ class SamplingSection:
     temperature: float = 0.7
     top_p: float = SamplingParams.top_p  # 1: off
     top_k: int = SamplingParams.top_k  # 0: off
-    max_cache_tokens: int = 0  # cap on batch × KV length per sampler call (0 = one call per stage)
+    max_cache_tokens: int = 0  # KV positions the rollout engine's page pool holds (0: grows as needed)
+    num_slots: int = 64  # sequences the rollout engine decodes at once
+    mix_sets: bool = False  # LoRA: decode every parameter set in one batch (per-row adapters, no merged copies)
 
 
 @dataclasses.dataclass

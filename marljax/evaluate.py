@@ -72,8 +72,8 @@ class Evaluation:
     eval_problems: list
     params: dict
 
-    def sample_fn(self, temperature: float):
-        return self.policy.sample_fn(self.cfg, self.params, temperature)
+    def rollout_sampler(self, temperature: float):
+        return self.policy.rollout_sampler(self.cfg, self.params, temperature)
 
 
 def build(checkpoint: pathlib.Path | None, config_file: str | None, overrides: list[str], which: str,
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         what = f" → {cfg.workflow.name} (transfer={transfer})" if transfer else ""
         print(f"evaluating {checkpoint} {which} at step {step}{what}", file=sys.stderr)
     from marljax.workflows.evaluation import evaluate_workflow
-    ev = evaluate_workflow(run.workflow, run.eval_problems, run.sample_fn(cfg.eval.temperature), run.policy.codec,
+    ev = evaluate_workflow(run.workflow, run.eval_problems, run.rollout_sampler(cfg.eval.temperature), run.policy.codec,
                            run.route, seed=cfg.seed, k=cfg.eval.k, max_prompt_tokens=run.cfg.sampling.max_prompt_tokens)
     for k, v in sorted(ev.metrics.items()):
         print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")

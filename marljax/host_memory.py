@@ -74,10 +74,25 @@ def retain() -> str:
     return state
 
 
+def skip_absent_tpu() -> str | None:
+    """Keep jax off the TPU backend on a host without a TPU: CPU machines install libtpu too (to compile
+    for TPU topologies), and there jax's TPU probe fails loudly at startup (accelerator type, worker
+    hostnames). Sets JAX_PLATFORMS (to cpu, or cuda,cpu with a CUDA plugin) unless it is set already or
+    libtpu is absent or a TPU is present; returns what it set."""
+    if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None or _tpu_device():
+        return None
+    cuda = any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+    os.environ["JAX_PLATFORMS"] = "cuda,cpu" if cuda else "cpu"
+    return os.environ["JAX_PLATFORMS"]
+
+
 def opt_in(program: str) -> str:
-    """A CLI's opt-in, run before it imports jax: `retain()`, then one line on stderr saying what it did."""
+    """A CLI's opt-in, run before it imports jax: `skip_absent_tpu()` and `retain()`, then one line on
+    stderr saying what it did."""
     mode = f"MARLJAX_HOST_MALLOC={os.environ.get('MARLJAX_HOST_MALLOC', 'auto')}"
+    platforms = skip_absent_tpu()
     done = retain()
-    print(f"{program}: host malloc {done}{'' if mode in done else f' ({mode})'}; see marljax/host_memory.py",
+    print(f"{program}: host malloc {done}{'' if mode in done else f' ({mode})'}; see marljax/host_memory.py"
+          + (f"; JAX_PLATFORMS={platforms} (libtpu installed, no TPU on this host)" if platforms else ""),
           file=sys.stderr)
     return done

@@ -1,21 +1,27 @@
-"""Sampling from a policy's parameter sets (what the entry points wrap into a workflow's `sample_fn`).
+"""Sampling from a policy's parameter sets on the rollout engine (what the entry points wrap into a
+workflow's sampler).
 
 `PolicySampler` holds the frozen base, the per-set weights ({set: LoRA adapter}, or {set: whole model
-state} under full fine-tuning), the mesh and the sampling settings. For each call it folds the set's
-adapter into one per-layer copy of the weights (`sampling.layer_weights`), which serves every chunk of
-the call: decoding then costs the base's matmuls only, and the sampler's jit does not recompile per set.
-Prompts are cut into sampler calls of at most `max_cache_tokens` batch × KV length.
+state} under full fine-tuning), the mesh and the sampling settings. A set's adapter is folded into one
+per-layer copy of the weights (`sampling.layer_weights`), made once per call or stream and read by
+every decode chunk: decoding then costs the base's matmuls only, and the engine's jits do not recompile
+per set. `sample` is one batch call; `stream` takes requests of any set as they come (`PolicyStream`).
+`max_cache_tokens` caps the KV tokens the engine's page pool holds (0: the pool grows as needed).
 """
 from __future__ import annotations
 
 import dataclasses
-import numpy as np
+
+import jax
 from flax import nnx
 
 from marljax import sharding
+from marljax.engine import Engine
+from marljax.engine.engine import Stream
 from marljax.models.decoder import Decoder
-from marljax.sampling import SampleOutput, SamplingParams, generate, layer_weights
-from marljax.shapes import bucket
+from marljax.sampling import SampleOutput, SamplingParams, layer_weights
+
+PAGE_SIZE = 16  # KV positions per page
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +32,13 @@ class SamplerSettings:
     top_p: float
     top_k: int
     stop_token_ids: tuple[int, ...]
-    max_cache_tokens: int  # batch × KV length per sampler call; 0: one call for all prompts
+    max_cache_tokens: int  # KV positions the engine's page pool holds; 0: grows as needed
+    num_slots: int = 64  # sequences decoded at once
+    mix_sets: bool = False  # LoRA sets decode in one batch, each row applying its own adapter
+
+    def params(self, temperature: float, seed: int = 0) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=temperature, top_p=self.top_p,
+                              top_k=self.top_k, stop_token_ids=self.stop_token_ids, seed=seed)
 
 
 class PolicySampler:
@@ -43,39 +55,87 @@ class PolicySampler:
         self.lora_scale = lora_scale
         self.mesh, self.rules = mesh, rules
         self.settings = settings
+        self.engines: dict[str, Engine] = {}
+
+    def engine(self, set_name: str) -> Engine:
+        """The engine set `set_name` decodes on: the base's, shared by every LoRA set; under full
+        fine-tuning one per set (its embeddings, norms and head are trained too)."""
+        key = set_name if self.lora_scale is None else ""
+        if key not in self.engines:
+            model = self.model if self.lora_scale is not None else nnx.merge(
+                nnx.graphdef(self.model), self.params_by_set[set_name])
+            pages = self.settings.max_cache_tokens // PAGE_SIZE
+            self.engines[key] = Engine(model, num_slots=self.settings.num_slots, page_size=PAGE_SIZE,
+                                       num_pages=pages or None)
+        return self.engines[key]
 
     def sample(self, set_name: str, prompts: list[list[int]], seed: int, temperature: float) -> SampleOutput:
-        """One sample per prompt from set `set_name`'s weights at `temperature` (chunk k > 0 of the call
-        draws from a seed derived from (seed, k))."""
-        st = self.settings
-        model, layers = self.weights(set_name)
-        out = SampleOutput([], [], [])
-        for k, chunk in enumerate(self.chunks(prompts)):
-            chunk_seed = seed if k == 0 else int(np.random.SeedSequence([seed, k]).generate_state(1)[0])
-            sp = SamplingParams(max_new_tokens=st.max_new_tokens, temperature=temperature, top_p=st.top_p,
-                                top_k=st.top_k, stop_token_ids=st.stop_token_ids, seed=chunk_seed)
-            with sharding.use_mesh(self.mesh, self.rules):
-                part = generate(model, chunk, sp, layers=layers)
-            out.tokens += part.tokens
-            out.logprobs += part.logprobs
-            out.finished += part.finished
-        return out
+        """One sample per prompt from set `set_name`'s weights at `temperature`; prompt i draws from
+        fold_in(key(seed), i) (`Engine.generate`)."""
+        with sharding.use_mesh(self.mesh, self.rules):
+            return self.engine(set_name).generate(prompts, self.settings.params(temperature, seed),
+                                                  layers=self.weights(set_name))
 
-    def weights(self, set_name: str) -> tuple[Decoder, list[dict]]:
-        """(the model to sample, its per-layer weights with the set's LoRA folded in)."""
+    def stream(self, temperature: float) -> PolicyStream:
+        """Requests of any set at `temperature`, decoded as they come."""
+        return PolicyStream(self, temperature)
+
+    def weights(self, set_name: str) -> list[dict]:
+        """Set `set_name`'s per-layer weights for the engine (its LoRA folded into the base)."""
         with sharding.use_mesh(self.mesh, self.rules):
             if self.lora_scale is not None:
-                return self.model, layer_weights(self.model, self.params_by_set[set_name], self.lora_scale)
-            model = nnx.merge(nnx.graphdef(self.model), self.params_by_set[set_name])
-            return model, layer_weights(model)
+                return layer_weights(self.model, self.params_by_set[set_name], self.lora_scale)
+            return layer_weights(self.engine(set_name).model)
 
-    def chunks(self, prompts: list[list[int]]) -> list[list[list[int]]]:
-        """Prompts cut into sampler calls of at most `max_cache_tokens` batch × KV length (a power-of-two
-        number of rows, a fixed point of the sampler's `bucket_rows`); one call when it is 0."""
-        cap = self.settings.max_cache_tokens
-        if cap <= 0 or not prompts:
-            return [prompts]
-        length = bucket(max(len(p) for p in prompts), 16) + self.settings.max_new_tokens
-        rows = max(1, cap // length)
-        rows = 1 << (rows.bit_length() - 1)
-        return [prompts[i: i + rows] for i in range(0, len(prompts), rows)]
+
+class PolicyStream:
+    """Requests from any parameter set, each decoded from the moment it is submitted: one engine stream
+    per set (its folded weights), the busy ones stepped in turn, a decode chunk each, until some request
+    is done; or, with `mix_sets` (LoRA), one stream whose rows each apply their own set's adapter to the
+    base. A request drawn with `seed` gives the same output whatever else is in flight (up to float
+    rounding between the two modes: merged weights vs the adapter applied per row)."""
+
+    def __init__(self, sampler: PolicySampler, temperature: float):
+        self.sampler, self.params = sampler, sampler.settings.params(temperature)
+        self.streams: dict[str, Stream] = {}
+        self.tickets: dict[tuple[str, int], int] = {}
+        self.calls = 0  # decode rounds (one engine step of one set)
+        self.submitted = 0
+
+    def submit(self, set_name: str, prompt: list[int], seed: int) -> int:
+        """Queue one request of set `set_name` drawn from key(seed); returns its ticket."""
+        sampler = self.sampler
+        mixed = sampler.settings.mix_sets and sampler.lora_scale is not None
+        name, group = ("", sorted(sampler.params_by_set).index(set_name)) if mixed else (set_name, 0)
+        if name not in self.streams:
+            with sharding.use_mesh(sampler.mesh, sampler.rules):
+                if mixed:
+                    self.streams[name] = sampler.engine(set_name).stream(
+                        self.params, adapters=[sampler.params_by_set[s] for s in sorted(sampler.params_by_set)],
+                        lora_scale=sampler.lora_scale)
+                else:
+                    self.streams[name] = sampler.engine(set_name).stream(self.params,
+                                                                         layers=sampler.weights(set_name))
+        ticket = self.submitted
+        self.submitted += 1
+        self.tickets[(name, self.streams[name].submit(prompt, jax.random.key(seed), group))] = ticket
+        return ticket
+
+    def poll(self) -> list[tuple[int, tuple[list[int], list[float], bool]]]:
+        """Step the busy streams until at least one request is done; (ticket, (tokens, logprobs, hit stop))
+        of each done one. Empty when nothing is queued."""
+        done = []
+        with sharding.use_mesh(self.sampler.mesh, self.sampler.rules):
+            while not done and any(not s.idle for s in self.streams.values()):
+                for set_name, stream in self.streams.items():
+                    if stream.idle:
+                        continue
+                    self.calls += 1
+                    done += [(self.tickets.pop((set_name, r)), stream.result(r)) for r in stream.step()]
+        return done
+
+    def close(self) -> None:
+        """Hand the streams' pools back to the engine."""
+        for stream in self.streams.values():
+            stream.close()
+        self.streams = {}

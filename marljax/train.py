@@ -54,7 +54,6 @@ from marljax.rl.step_metrics import BatchMetrics
 from marljax.tasks.data import DataError, load_task
 from marljax.tasks.sandbox import require as require_sandbox
 from marljax.workflows import Completion, rollout
-from marljax.workflows.base import SampleFn
 from marljax.workflows.evaluation import evaluate_workflow
 from marljax.workflows.metrics import rollout_metrics
 
@@ -98,18 +97,32 @@ class Policy:
         sp = cfg.sampling
         settings = SamplerSettings(max_new_tokens=sp.max_new_tokens, top_p=sp.top_p, top_k=sp.top_k,
                                    stop_token_ids=tuple(self.codec.stop_token_ids),
-                                   max_cache_tokens=sp.max_cache_tokens)
+                                   max_cache_tokens=sp.max_cache_tokens, num_slots=sp.num_slots,
+                                   mix_sets=sp.mix_sets)
         return PolicySampler(self.model, params, self.lora_cfg.scale if self.lora_cfg else None, self.mesh,
                              self.rules, settings)
 
-    def sample_fn(self, cfg: Config, params: dict, temperature: float) -> SampleFn:
-        """The workflows' sampling function over `params` at `temperature`: (set, prompts, seed) → completions."""
-        sampler = self.sampler(cfg, params)
+    def rollout_sampler(self, cfg: Config, params: dict, temperature: float) -> EngineSampler:
+        """What the workflows sample from over `params` at `temperature`: role calls stream through the
+        rollout engine as episodes reach them."""
+        return EngineSampler(self.sampler(cfg, params).stream(temperature))
 
-        def fn(set_name: str, prompts: list[list[int]], seed: int) -> list[Completion]:
-            out = sampler.sample(set_name, prompts, seed, temperature)
-            return [Completion(t, lp, not fin) for t, lp, fin in zip(out.tokens, out.logprobs, out.finished)]
-        return fn
+
+class EngineSampler:
+    """A `PolicyStream` as the workflows' `StreamSampler`: its results as `Completion`s."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    @property
+    def calls(self) -> int:
+        return self.stream.calls
+
+    def submit(self, set_name: str, prompt: list[int], seed: int) -> int:
+        return self.stream.submit(set_name, prompt, seed)
+
+    def poll(self) -> list[tuple[int, Completion]]:
+        return [(t, Completion(tokens, logprobs, not hit)) for t, (tokens, logprobs, hit) in self.stream.poll()]
 
 
 def build_policy(cfg: Config) -> Policy:
@@ -188,12 +201,12 @@ class Run:
                           out_shardings=(state_sh, sharding.replicated(mesh)))
         return trainer, jax.device_put(trainer.init_state(params), state_sh)
 
-    def sample_fn(self, temperature: float):
-        """The workflows' sampling function over the current parameters."""
-        return self.policy.sample_fn(self.cfg, self.state.params, temperature)
+    def rollout_sampler(self, temperature: float) -> EngineSampler:
+        """The workflows' sampler over the current parameters."""
+        return self.policy.rollout_sampler(self.cfg, self.state.params, temperature)
 
     def evaluate(self, seed: int) -> dict:
-        ev = evaluate_workflow(self.workflow, self.problems.eval, self.sample_fn(self.cfg.eval.temperature),
+        ev = evaluate_workflow(self.workflow, self.problems.eval, self.rollout_sampler(self.cfg.eval.temperature),
                                self.policy.codec, self.route, seed=seed, k=self.cfg.eval.k, progress=False,
                                max_prompt_tokens=self.cfg.sampling.max_prompt_tokens)
         return ev
@@ -216,7 +229,7 @@ class Run:
         cfg = self.cfg
         t0 = time.perf_counter()
         problems = self.batch_problems(step)
-        ro = rollout(self.workflow, problems, self.sample_fn(cfg.sampling.temperature), self.policy.codec,
+        ro = rollout(self.workflow, problems, self.rollout_sampler(cfg.sampling.temperature), self.policy.codec,
                      self.route, n_rollouts=cfg.rl.rollouts, seed=int(np.random.SeedSequence(
                          [cfg.seed, step]).generate_state(1)[0]),
                      max_prompt_tokens=cfg.sampling.max_prompt_tokens)

@@ -17,7 +17,8 @@ from marljax.engine.paged_attention import (gather_attention, interleave, kernel
                                             resolve_paged_attention, write_pages)
 from marljax.models.attention import attention
 from marljax.models.decoder import Decoder, ModelConfig
-from marljax.sampling import SamplingParams, generate
+from marljax.sampling import SamplingParams
+from marljax.static_sampler import generate_static as generate
 
 CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, rope_theta=10_000.0, tie_embeddings=False)
@@ -265,3 +266,63 @@ def test_smollm2_greedy_equals_static_sampler(smollm2_gguf):
     for a, b in zip(out.logprobs, ref.logprobs):
         np.testing.assert_allclose(a, b, atol=5e-5)
     assert engine.stats.prefill_tokens == sum(map(len, prompts[::2]))
+
+
+def test_sets_decode_together_with_per_row_adapters(model):
+    """Three LoRA sets in one stream (each row applies its own adapter to the shared base, submitted
+    interleaved, one prompt in two sets): greedy tokens equal each set's own engine over its merged
+    weights, logprobs within 1e-4; a prefix is shared within a set only."""
+    from marljax.models.lora import LoRAConfig, init_lora
+    from marljax.sampling import layer_weights
+
+    lora = LoRAConfig(rank=4, alpha=8)
+    adapters = [jax.tree.map(lambda x, s=s: x + 0.3 * jax.random.normal(jax.random.key(10 + s), x.shape),
+                             init_lora(CFG, lora, jax.random.key(s))) for s in range(3)]
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0)
+    engine = Engine(model, num_slots=4, page_size=4, chunk_steps=8)
+    run = engine.stream(sp, adapters=adapters, lora_scale=lora.scale)
+    reqs = [(p, i % 3) for i, p in enumerate(PROMPTS)] + [(PROMPTS[0], 1)]
+    ids = [run.submit(p, np.zeros(2, np.uint32), group=g) for p, g in reqs]
+    while not run.idle:
+        run.step()
+    assert run.stats.prefill_tokens == sum(map(len, PROMPTS)) + len(PROMPTS[0])  # [5, 6, 7] in sets 0 and 2
+    for g in range(3):
+        mine = [k for k, (_, gg) in enumerate(reqs) if gg == g]
+        want = Engine(model, num_slots=4, page_size=4, chunk_steps=8).generate(
+            [reqs[k][0] for k in mine], sp, layers=layer_weights(model, adapters[g], lora.scale))
+        assert [run.result(ids[k])[0] for k in mine] == want.tokens
+        for k, lp in zip(mine, want.logprobs):
+            np.testing.assert_allclose(run.result(ids[k])[1], lp, atol=1e-4)
+    outs = {tuple(run.result(i)[0]) for i in ids}
+    assert len(outs) > 3  # the sets differ
+    with pytest.raises(ValueError, match="group 3"):
+        run.submit([1, 2], np.zeros(2, np.uint32), group=3)
+
+
+def test_prefix_cache_reuses_an_earlier_prompts_pages(model):
+    """Eval-Opt's growing chat: a later prompt that starts with an earlier (finished) prompt's full pages
+    reuses them and prefills only the rest; its tokens and logprobs equal an engine without the cache.
+    A pool too small to keep the cache evicts it, outputs unchanged."""
+    first = list(range(30, 45))  # 3 full pages of 4 + 3 tokens
+    later = first[:12] + [7, 8, 9, 10, 11]  # the history's 3 full pages, then new messages
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+    engine = Engine(model, num_slots=2, page_size=4, chunk_steps=8)
+    run = engine.stream(sp)
+    a = run.submit(first, np.zeros(2, np.uint32))
+    while not run.idle:
+        run.step()
+    b = run.submit(later, np.zeros(2, np.uint32))
+    while not run.idle:
+        run.step()
+    assert run.stats.cached_tokens == 12 and run.stats.prefill_tokens == len(first) + len(later) - 12
+    fresh = Engine(model, num_slots=2, page_size=4, chunk_steps=8, share_prefixes=False).generate([later], sp)
+    assert run.result(b)[0] == fresh.tokens[0] and run.result(a)[0] != fresh.tokens[0]
+    np.testing.assert_allclose(run.result(b)[1], fresh.logprobs[0], atol=1e-5)
+
+    tight = Engine(model, num_slots=1, page_size=4, chunk_steps=8, num_pages=1 + 7)  # one sequence's worst case
+    out = tight.generate([first, list(range(50, 65)), later], sp)
+    ref = Engine(model, num_slots=1, page_size=4, chunk_steps=8, share_prefixes=False).generate(
+        [first, list(range(50, 65)), later], sp)
+    # the second prompt evicted the least recently used of `first`'s cached pages (leaves first): `later`
+    # finds only the blocks left, and the outputs do not change
+    assert out.tokens == ref.tokens and tight.stats.cached_tokens < 12 and tight.stats.peak_pages <= 7

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from marljax import host_memory
+
 # A jitted program whose temp buffer holds a 64 MB intermediate ([4096, 4096] float32); prints the state
 # and the median minor page faults of 7 calls after 3 warm-up calls, each call after a 0.3 s pause. (XLA
 # frees a call's temp buffer in the background after its outputs are ready; a call made before that
@@ -132,3 +134,18 @@ def test_libtpu_without_a_tpu_keeps_host_memory(tmp_path):
     """libtpu installed on a CPU machine (to compile for TPU topologies, marljax/aot.py) is no accelerator."""
     state = _state(tmp_path, plugin="libtpu", MARLJAX_HOST_MALLOC="auto", JAX_PLATFORMS=None).stdout.strip()
     assert state == "retained"
+
+
+def test_clis_keep_jax_off_an_absent_tpu(monkeypatch):
+    """libtpu installed (a test dependency) on a host without a TPU: the CLIs' opt-in sets JAX_PLATFORMS
+    so jax does not probe for a TPU (which prints errors at startup); a user's JAX_PLATFORMS wins."""
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed (requirements-test.txt pins it): nothing to keep jax off")
+    if host_memory._tpu_device():
+        pytest.skip("this host has a TPU: jax should use it")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    assert host_memory.skip_absent_tpu() in ("cpu", "cuda,cpu") and os.environ["JAX_PLATFORMS"] in ("cpu", "cuda,cpu")
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+    assert host_memory.skip_absent_tpu() is None and os.environ["JAX_PLATFORMS"] == "tpu"

@@ -1,5 +1,7 @@
-"""`PolicySampler`: per-set weights (LoRA folded, or a whole model state) and chunked sampler calls, against
-`sampling.generate` called directly on the same weights."""
+"""`PolicySampler`: per-set weights (LoRA folded, or a whole model state) against `sampling.generate` called
+directly on the same weights; the page-pool cap; streams of requests from several sets."""
+import dataclasses
+
 import jax
 import numpy as np
 from flax import nnx
@@ -45,17 +47,72 @@ def test_each_set_samples_from_its_own_weights():
     assert got.tokens == generate(tuned, PROMPTS, sp, layers=layer_weights(tuned)).tokens
 
 
-def test_chunks_cap_batch_times_length_in_power_of_two_rows():
+def test_max_cache_tokens_caps_the_page_pool():
+    """`max_cache_tokens` is the engine's page pool: 200 positions = 12 pages of 16 (one is the null
+    page), so requests wait for pages; the samples are those of an uncapped call (per-request streams)."""
     model = load_model("tiny-qwen3", seed=0)
     settings = SamplerSettings(max_new_tokens=6, top_p=1.0, top_k=0, stop_token_ids=(), max_cache_tokens=200)
-    sampler = _sampler(model, {"a": _adapter(1)}, LORA.scale, settings)
-    # longest prompt 31 → bucket 32, + 6 new = 38 columns; 200 // 38 = 5 rows → 4, a power of two
-    assert [len(c) for c in sampler.chunks(PROMPTS * 2)] == [4, 4, 2]
-    assert [p for c in sampler.chunks(PROMPTS * 2) for p in c] == PROMPTS * 2
-    assert _sampler(model, {}, LORA.scale).chunks(PROMPTS) == [PROMPTS]  # 0: one call
-    # chunk 0 keeps the call's seed: the first 4 samples equal one unchunked call on those prompts
-    got = sampler.sample("a", PROMPTS, 11, 0.7)
-    want = generate(model, PROMPTS[:4], SamplingParams(max_new_tokens=6, temperature=0.7, seed=11),
-                    layers=layer_weights(model, _adapter(1), LORA.scale))
-    assert len(got.tokens) == len(PROMPTS) and got.tokens[:4] == want.tokens
-    np.testing.assert_array_equal(np.concatenate(got.logprobs[:4]), np.concatenate(want.logprobs))
+    capped = _sampler(model, {"a": _adapter(1)}, LORA.scale, settings)
+    free = _sampler(model, {"a": _adapter(1)}, LORA.scale)
+    got, want = capped.sample("a", PROMPTS * 2, 11, 0.7), free.sample("a", PROMPTS * 2, 11, 0.7)
+    small, big = capped.engine("a").stats, free.engine("a").stats
+    assert small.pool_bytes < big.pool_bytes and small.peak_pages <= 11 < big.peak_pages
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(np.concatenate(got.logprobs), np.concatenate(want.logprobs), atol=1e-6)
+
+
+def test_stream_serves_sets_as_requests_come():
+    """Requests of two sets submitted interleaved, some after others finished: each request's output
+    depends on its set, prompt and seed only (the same in another order, alone, or with other traffic);
+    greedy, it equals the batch call's."""
+    model = load_model("tiny-qwen3", seed=0)
+    sampler = _sampler(model, {"a": _adapter(1), "b": _adapter(3)}, LORA.scale)
+    reqs = [("a" if i % 3 else "b", p, 100 + i) for i, p in enumerate(PROMPTS * 2)]
+
+    def run(order, temperature=0.7, late=()):
+        stream, out = sampler.stream(temperature), {}
+        tickets = {stream.submit(*reqs[i]): i for i in order if i not in late}
+        while len(out) < len(order):
+            for t, res in stream.poll():
+                out[tickets[t]] = res
+            for i in late:  # submitted once the first results are back
+                tickets[stream.submit(*reqs[i])] = i
+            late = ()
+        return out
+
+    def same(a, b):  # tokens and stops exactly; logprobs to float32 noise (another batch shape)
+        assert sorted(a) == sorted(b)
+        for i in a:
+            assert a[i][0] == b[i][0] and a[i][2] == b[i][2]
+            np.testing.assert_allclose(a[i][1], b[i][1], atol=1e-5)
+
+    base = run(range(len(reqs)))
+    same(run(list(reversed(range(len(reqs)))), late=(0, 4)), base)
+    same(run([3]), {3: base[3]})
+    assert base[1][0] != base[2][0] or base[1] != base[2]
+    greedy = run(range(len(reqs)), temperature=0.0)
+    for name in ("a", "b"):
+        idx = [i for i, r in enumerate(reqs) if r[0] == name]
+        batch = sampler.sample(name, [reqs[i][1] for i in idx], 0, 0.0)
+        assert [greedy[i][0] for i in idx] == batch.tokens
+
+
+def test_mixed_sets_stream_matches_per_set_streams():
+    """`mix_sets`: both sets' rows in one engine batch (per-row adapters) give the per-set streams'
+    greedy tokens, logprobs within 1e-4 (merged weights vs the adapter applied per row)."""
+    model = load_model("tiny-qwen3", seed=0)
+    params = {"a": _adapter(1), "b": _adapter(3)}
+    mixed = _sampler(model, params, LORA.scale, dataclasses.replace(SETTINGS, mix_sets=True))
+    apart = _sampler(model, params, LORA.scale)
+    reqs = [("a" if i % 2 else "b", p, 7 + i) for i, p in enumerate(PROMPTS)]
+    outs = []
+    for sampler in (mixed, apart):
+        stream, got = sampler.stream(0.0), {}
+        tickets = {stream.submit(*r): i for i, r in enumerate(reqs)}
+        while len(got) < len(reqs):
+            got.update({tickets[t]: res for t, res in stream.poll()})
+        outs.append(got)
+    assert len(mixed.engines) == 1 and len(outs[0]) == len(reqs)
+    for i in range(len(reqs)):
+        assert outs[0][i][0] == outs[1][i][0]
+        np.testing.assert_allclose(outs[0][i][1], outs[1][i][1], atol=1e-4)

@@ -1,39 +1,44 @@
 """The rollout engine: continuous batching over decode slots with a paged KV cache.
 
-`Engine(model, num_slots=…).generate(prompts, SamplingParams(…), layers=…)` returns what
-`marljax.sampling.generate` returns (`SampleOutput`: per prompt its generated ids, stop token included
-if hit, their logprobs under the tempered distribution they were drawn from, and whether a stop hit).
-The host loop: admit waiting requests into free slots (`Scheduler.admit`), prefill the new prompts into
-their pages (once per distinct prompt when prefixes are shared), draw each newcomer's first token, then
-run one jitted chunk of `chunk_steps` decode steps over the running sequences; repeat until every
-request is done.
+`Engine(model, num_slots=…)` decodes through `Stream`s: `engine.stream(SamplingParams(…), layers=…)`
+takes requests at any time (`submit(prompt, key)`), and each `step()` admits waiting requests into free
+slots (`Scheduler.admit`), prefills the new prompts into their pages (once per distinct prompt when
+prefixes are shared), draws each newcomer's first token, runs one jitted chunk of `chunk_steps` decode
+steps over the running sequences, and returns the requests that finished. `engine.generate(prompts,
+params, layers=…)` is one stream run to the end; it returns what `marljax.sampling.generate` returns
+(`SampleOutput`: per prompt its generated ids, stop token included if hit, their logprobs under the
+tempered distribution they were drawn from, and whether a stop hit).
 
 Shapes are static per chunk and bucketed to powers of two: prefill rows and prompt length, the decode
-rows (the running sequences, at most `num_slots`: the tail of a call runs at a small batch) and the
-page-table width in pages (attention reads the pages in flight, rounded up); a run compiles a handful
-of times.
+rows (the running sequences, at most `num_slots`: the tail of a call runs at a small batch), the
+page-table width in pages (attention reads the pages in flight, rounded up) and the pool; a run
+compiles a handful of times. The pool is `num_pages` pages, or (None) grows by powers of two to what
+the admitted sequences may need at worst and is kept for the engine's next stream.
 
-Randomness is per request, not per batch: request i of a call draws its t-th token with
-fold_in(fold_in(key(seed), i), t), whatever else is in flight, so outputs do not depend on the slot
-count, the chunk length, or the other prompts (a prompt's output changes only with its index or seed).
-Seeded samples therefore differ from `marljax.sampling.generate`'s (one draw for the whole batch per
-step); greedy outputs are the same.
+Randomness is per request, not per batch: a request draws its t-th token with fold_in(key, t), its own
+key whatever else is in flight (`generate`: request i's key is fold_in(key(seed), i)), so outputs do not
+depend on the slot count, the chunk length, the pool or the other prompts. Seeded samples therefore
+differ from the static sampler's (`marljax.static_sampler`: one draw for the whole batch per step);
+greedy outputs are the same.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from marljax.engine.kv_pages import PagePool, copy_pages, init_pages, page_bytes, pages_for, pool_pages
+from marljax.engine.draw import SampleOutput, SamplingParams, sample_rows
+from marljax.engine.kv_pages import (NULL_PAGE, PagePool, copy_pages, grow_pages, init_pages, page_bytes, pages_for,
+                                     pool_pages)
 from marljax.engine.paged_attention import paged_cache_attention
 from marljax.engine.scheduler import Scheduler
 from marljax.models.decoder import Decoder
-from marljax.sampling import SampleOutput, SamplingParams, choose
+from marljax.models.lora import stack_adapters
 from marljax.shapes import bucket
 
 
@@ -41,7 +46,8 @@ from marljax.shapes import bucket
 class EngineStats:
     """Work and memory of the last `generate` call."""
 
-    prefill_tokens: int = 0  # real prompt tokens prefilled (a shared prompt counts once)
+    prefill_tokens: int = 0  # real prompt tokens prefilled (a shared prompt counts once; cached pages none)
+    cached_tokens: int = 0  # prompt tokens whose pages came from the prefix cache
     prefill_calls: int = 0
     decode_chunks: int = 0
     decode_steps: int = 0  # row-steps run (a chunk's rows: the running sequences rounded up)
@@ -52,9 +58,9 @@ class EngineStats:
 
 
 class Engine:
-    """See the module docstring. `num_pages` sizes the pool (0 or None: enough for every slot's worst
-    case in each call, plus one page per prompt for shared prefixes). `attention`: the paged-attention
-    path (`marljax.engine.paged_attention.PAGED_ATTENTIONS`; auto: the TPU kernel on a TPU)."""
+    """See the module docstring. `num_pages` fixes the pool (requests wait for pages; a prompt that
+    cannot fit alone is refused); None lets it grow. `attention`: the paged-attention path
+    (`marljax.engine.paged_attention.PAGED_ATTENTIONS`; auto: the TPU kernel on a TPU)."""
 
     def __init__(self, model: Decoder, *, num_slots: int = 64, page_size: int = 16, num_pages: int | None = None,
                  chunk_steps: int = 16, share_prefixes: bool = True, attention: str = "auto"):
@@ -66,114 +72,198 @@ class Engine:
         self.attention = attention
         self.graphdef, self.state = nnx.split(model)
         self.stats = EngineStats()
-        self._pages = None
+        self._spare = None  # a pool no stream holds, reused by the next one
 
-    def _pool(self, num_pages: int) -> list[dict]:
-        if self._pages is None or pool_pages(self._pages) != num_pages:
-            self._pages = init_pages(self.model.config, num_pages, self.page_size)
-        return self._pages
+    def stream(self, params: SamplingParams, *, layers: list[dict] | None = None,
+               adapters: Sequence[dict] | None = None, lora_scale: float = 1.0) -> Stream:
+        """A stream decoding with `params`' settings (its seed is unused: requests bring their keys) and
+        `layers` (per-layer weights, `marljax.sampling.layer_weights`: a LoRA adapter folded in; else the
+        model's own). With `adapters` (G LoRA adapters of one format), every request names its set
+        (`submit(..., group=g)`) and one batch mixes them: each row adds its own adapter's
+        lora_scale·(x A) B to the shared `layers` (`Decoder.hidden`'s `lora_groups`), no merged copy per
+        set."""
+        return Stream(self, params, self.model.layer_list() if layers is None else layers,
+                      None if adapters is None else stack_adapters(adapters), lora_scale)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, layers: list[dict] | None = None
                  ) -> SampleOutput:
-        """Sample a continuation of every prompt (see the module docstring). `layers`: per-layer weights
-        (`marljax.sampling.layer_weights`, a LoRA adapter folded in), else the model's own."""
+        """Sample a continuation of every prompt (see the module docstring)."""
         if not prompts:
             return SampleOutput([], [], [])
         if any(len(p) == 0 for p in prompts):
             raise ValueError("generate() got an empty prompt; every prompt needs at least one token.")
-        cfg = self.model.config
-        longest = max(len(p) for p in prompts)
-        if longest + params.max_new_tokens > cfg.max_position:
-            raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({params.max_new_tokens}) "
-                             f"exceeds the model's max_position {cfg.max_position}.")
-        ps, max_new = self.page_size, params.max_new_tokens
-        num_pages = self.num_pages or 1 + self.num_slots * pages_for(longest + max_new, ps) + len(prompts)
-        pool = PagePool(num_pages)
-        pages, self._pages = self._pool(num_pages), None  # donated below; kept again at the end
-        sched = Scheduler(pool, self.num_slots, ps, max_new, self.share_prefixes)
-        sched.submit(prompts)
-        if layers is None:
-            layers = self.model.layer_list()
-        stops = tuple(sorted(set(params.stop_token_ids))) or (-1,)
-        sampling = dict(temperature=float(params.temperature), top_p=float(params.top_p), top_k=int(params.top_k))
+        run = self.stream(params, layers=layers)
         base = jax.random.key(params.seed)
         keys_nk = np.asarray(jax.random.key_data(jax.vmap(lambda i: jax.random.fold_in(base, i))(
             jnp.arange(len(prompts)))))
-        stats = EngineStats(pool_bytes=num_pages * page_bytes(cfg, ps))
-        while not sched.idle:
-            adm = sched.admit()
-            if adm.prefill:
-                pages, hidden_nd = self._prefill(pages, layers, adm.prefill)
-                for i, prefix in enumerate(adm.prefill):
-                    prefix.hidden = hidden_nd[i]
-                stats.prefill_calls += 1
-            if adm.copy_src:
-                pages = copy_pages(pages, jnp.asarray(adm.copy_src, jnp.int32), jnp.asarray(adm.copy_dst, jnp.int32))
-            if adm.members:
-                rows = bucket(len(adm.members))
-                hidden_md = jnp.stack([seq.prefix.hidden for _, seq in adm.members]
-                                      + [adm.members[0][1].prefix.hidden] * (rows - len(adm.members)))
-                req = np.zeros(rows, np.int32)
-                req[: len(adm.members)] = [seq.request for _, seq in adm.members]
-                tok, logp = _first_tokens(self.graphdef, self.state, hidden_md, keys_nk[req], **sampling)
-                sched.started(adm.members, np.asarray(tok), np.asarray(logp), set(params.stop_token_ids))
-            if not sched.running:
-                continue
-            width = bucket(sched.grow(self.chunk_steps))
-            rows = min(bucket(len(sched.running)), self.num_slots)
+        try:
+            for p, k in zip(prompts, keys_nk):
+                run.submit(p, k)
+            while not run.idle:
+                run.step()
+        finally:
+            run.close()
+        self.stats = run.stats
+        s = run.sched
+        return SampleOutput(tokens=s.tokens, logprobs=s.logprobs, finished=s.hit)
+
+    def _prefill(self, pages, layers, prefixes, lora):
+        """Write each prompt's KV into its prefix's pages; the prompts' last hidden states [n, D] (in
+        `prefixes`' order). `lora`: the stream's stacked adapters, rows sorted by set."""
+        order = sorted(range(len(prefixes)), key=lambda i: prefixes[i].group)
+        prefixes = [prefixes[i] for i in order]
+        ps = self.page_size
+        start = [p.cached * ps for p in prefixes]  # tokens found in the prefix cache: not prefilled again
+        n, T = bucket(len(prefixes)), bucket(max(len(p.prompt) - s for p, s in zip(prefixes, start)), 16)
+        width = bucket(pages_for(max(start) + T, ps))
+        tokens_nt = np.zeros((n, T), np.int32)
+        start_n = np.zeros(n, np.int32)
+        table_nw = np.zeros((n, width), np.int32)
+        last_n = np.zeros(n, np.int32)
+        for i, (p, s) in enumerate(zip(prefixes, start)):
+            tokens_nt[i, : len(p.prompt) - s] = p.prompt[s:]
+            start_n[i] = s
+            own = p.full_pages + ([p.partial_page] if p.partial_page is not None else [])
+            table_nw[i, : len(own)] = own
+            last_n[i] = len(p.prompt) - s - 1
+        if lora is not None:
+            num_sets = jax.tree.leaves(lora["lora"])[0].shape[0]
+            groups_g = np.bincount([p.group for p in prefixes], minlength=num_sets).astype(np.int32)
+            lora = {**lora, "lora_groups": groups_g}
+        pages, hidden_nd = _prefill(self.graphdef, self.state, layers, pages, tokens_nt, start_n, table_nw, last_n,
+                                    lora, attention=self.attention)
+        return pages, hidden_nd[np.argsort(order)]
+
+    def _take_pool(self, num_pages: int) -> list[dict]:
+        spare, self._spare = self._spare, None
+        if spare is not None and pool_pages(spare) == num_pages:
+            return spare
+        return init_pages(self.model.config, num_pages, self.page_size)
+
+
+class Stream:
+    """Requests decoding on one engine with fixed weights and sampling settings (module docstring)."""
+
+    def __init__(self, engine: Engine, params: SamplingParams, layers: list[dict], lora: dict | None,
+                 lora_scale: float):
+        self.engine, self.params, self.layers = engine, params, layers
+        num_groups = 1 if lora is None else jax.tree.leaves(lora)[0].shape[0]
+        self.lora = None if lora is None else {"lora": lora, "lora_scale": jnp.float32(lora_scale)}
+        cfg, ps = engine.model.config, engine.page_size
+        self.growable = not engine.num_pages
+        spare = pool_pages(engine._spare) if engine._spare is not None else 2
+        self.pool = PagePool(engine.num_pages or spare)
+        self.pages = engine._take_pool(self.pool.num_pages)
+        self.sched = Scheduler(self.pool, engine.num_slots, ps, params.max_new_tokens, engine.share_prefixes,
+                               num_groups)
+        self.keys_nk = np.zeros((0, 0), np.uint32)
+        self.stops = tuple(sorted(set(params.stop_token_ids))) or (-1,)
+        self.sampling = dict(temperature=float(params.temperature), top_p=float(params.top_p),
+                             top_k=int(params.top_k))
+        self.stats = EngineStats(pool_bytes=self.pool.num_pages * page_bytes(cfg, ps))
+
+    @property
+    def idle(self) -> bool:
+        return self.sched.idle
+
+    def submit(self, prompt: list[int], key, group: int = 0) -> int:
+        """Queue one request of parameter set `group` (with `adapters`; else 0) drawn with `key` (a typed
+        PRNG key or its raw key data); returns its id (0, 1, … in submission order)."""
+        cfg, max_new = self.engine.model.config, self.params.max_new_tokens
+        if not prompt:
+            raise ValueError("submit() got an empty prompt; every prompt needs at least one token.")
+        if len(prompt) + max_new > cfg.max_position:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new}) exceeds the model's "
+                             f"max_position {cfg.max_position}.")
+        need = self.sched.worst_pages(len(prompt))
+        if not self.growable and need > self.pool.num_pages - 1:
+            raise ValueError(f"a prompt of {len(prompt)} tokens + max_new_tokens {max_new} needs {need} pages of "
+                             f"{self.engine.page_size}; the pool has {self.pool.num_pages - 1}.")
+        if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.key_data(key)
+        key = np.asarray(key, np.uint32)
+        if len(self.keys_nk) == self.sched.submitted:
+            grown = np.zeros((max(8, 2 * len(self.keys_nk)), key.size), np.uint32)
+            if len(self.keys_nk):
+                grown[: len(self.keys_nk)] = self.keys_nk
+            self.keys_nk = grown
+        self.keys_nk[self.sched.submitted] = key
+        return self.sched.submit(prompt, group)
+
+    def result(self, request: int) -> tuple[list[int], list[float], bool]:
+        """A request's generated ids, their logprobs, and whether it hit a stop token."""
+        s = self.sched
+        return s.tokens[request], s.logprobs[request], s.hit[request]
+
+    def step(self) -> list[int]:
+        """Admit, prefill and decode one chunk (module docstring); the ids of the requests that finished."""
+        e, sched, stats = self.engine, self.sched, self.stats
+        if self.growable:
+            self._grow(sched.demand())
+        adm = sched.admit()
+        if adm.prefill:
+            self.pages, hidden_nd = e._prefill(self.pages, self.layers, adm.prefill, self.lora)
+            for i, prefix in enumerate(adm.prefill):
+                prefix.hidden = hidden_nd[i]
+            sched.prefilled(adm.prefill)
+            stats.prefill_calls += 1
+        if adm.copy_src:
+            n = bucket(len(adm.copy_src))  # padded with null-page-onto-itself copies: few compiles
+            pad = [NULL_PAGE] * (n - len(adm.copy_src))
+            self.pages = copy_pages(self.pages, np.asarray(adm.copy_src + pad, np.int32),
+                                    np.asarray(adm.copy_dst + pad, np.int32))
+        if adm.members:
+            rows = bucket(len(adm.members))
+            hidden_md = jnp.stack([seq.prefix.hidden for _, seq in adm.members]
+                                  + [adm.members[0][1].prefix.hidden] * (rows - len(adm.members)))
+            req = np.zeros(rows, np.int32)
+            req[: len(adm.members)] = [seq.request for _, seq in adm.members]
+            tok, logp = _first_tokens(e.graphdef, e.state, hidden_md, self.keys_nk[req], **self.sampling)
+            sched.started(adm.members, np.asarray(tok), np.asarray(logp), set(self.params.stop_token_ids))
+        if sched.running:
+            width = bucket(sched.grow(e.chunk_steps))
+            rows = min(bucket(len(sched.running)), e.num_slots)
             b = sched.batch(rows, width)
-            pages, out = _decode_chunk(self.graphdef, self.state, layers, pages, b["page_table"], b["token"],
-                                       b["pos"], b["n_gen"], b["live"], keys_nk[b["request"]],
-                                       jnp.int32(max_new), steps=self.chunk_steps, stops=stops,
-                                       attention=self.attention, **sampling)
+            lora = None if self.lora is None else {**self.lora, "lora_groups": b["groups"]}
+            self.pages, out = _decode_chunk(
+                e.graphdef, e.state, self.layers, self.pages, b["page_table"], b["token"], b["pos"], b["n_gen"],
+                b["live"], self.keys_nk[b["request"]], jnp.int32(self.params.max_new_tokens), lora,
+                steps=e.chunk_steps, stops=self.stops, attention=e.attention, **self.sampling)
             out = jax.tree.map(np.asarray, out)
             stats.decode_chunks += 1
             stats.decode_steps += int(out["steps"]) * rows
             sched.advance(out["tok"], out["logp"], out["n_gen"], out["token"], out["pos"], out["hit"], out["done"])
-        self._pages = pages
+        cfg = e.model.config
         stats.prefill_tokens = sched.prefill_tokens
+        stats.cached_tokens = sched.cache.hit_tokens if sched.cache else 0
         stats.generated_tokens = sum(len(t) for t in sched.tokens)
-        stats.peak_pages = pool.peak_in_use
-        stats.peak_kv_bytes = pool.peak_in_use * page_bytes(cfg, ps)
-        self.stats = stats
-        return SampleOutput(tokens=sched.tokens, logprobs=sched.logprobs, finished=sched.hit)
+        stats.peak_pages = self.pool.peak_in_use
+        stats.peak_kv_bytes = self.pool.peak_in_use * page_bytes(cfg, e.page_size)
+        stats.pool_bytes = self.pool.num_pages * page_bytes(cfg, e.page_size)
+        return sched.take_finished()
 
-    def _prefill(self, pages, layers, prefixes):
-        """Write each prompt's KV into its prefix's pages; the prompts' last hidden states [n, D]."""
-        n, T = bucket(len(prefixes)), bucket(max(len(p.prompt) for p in prefixes), 16)
-        width = pages_for(T, self.page_size)
-        tokens_nt = np.zeros((n, T), np.int32)
-        table_nw = np.zeros((n, width), np.int32)
-        last_n = np.zeros(n, np.int32)
-        for i, p in enumerate(prefixes):
-            tokens_nt[i, : len(p.prompt)] = p.prompt
-            own = p.full_pages + ([p.partial_page] if p.partial_page is not None else [])
-            table_nw[i, : len(own)] = own
-            last_n[i] = len(p.prompt) - 1
-        return _prefill(self.graphdef, self.state, layers, pages, tokens_nt, table_nw, last_n,
-                        attention=self.attention)
+    def close(self) -> None:
+        """Hand the pool back to the engine (for its next stream); the stream is done."""
+        self.engine._spare, self.pages = self.pages, None
 
-
-def sample_rows(logits_bv, keys_bk, n_gen_b, temperature: float, top_p: float, top_k: int):
-    """Each row's next token, drawn with its own key folded with its token index, and its logprob
-    under the tempered distribution (the raw logits at temperature 0), as `marljax.sampling`."""
-    def one(logits_v, key_data, t):
-        key = jax.random.fold_in(jax.random.wrap_key_data(key_data), t)
-        return choose(logits_v[None], key, temperature, top_p, top_k)[0]
-
-    tok_b = jax.vmap(one)(logits_bv, keys_bk, n_gen_b)
-    tempered_bv = logits_bv / temperature if temperature > 0 else logits_bv
-    logit_b = jnp.take_along_axis(tempered_bv, tok_b[:, None], 1)[:, 0]
-    return tok_b, logit_b - jax.nn.logsumexp(tempered_bv, axis=-1)
+    def _grow(self, pages_needed: int) -> None:
+        """Grow the pool (a power of two of pages) to hold `pages_needed` besides the null page."""
+        if pages_needed + 1 <= self.pool.num_pages:
+            return
+        n = bucket(pages_needed + 1)
+        self.pages = grow_pages(self.pages, n - self.pool.num_pages)
+        self.pool.grow(n)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3, static_argnames="attention")
-def _prefill(graphdef, state, layers, pages, tokens_nt, table_nw, last_n, *, attention="auto"):
+def _prefill(graphdef, state, layers, pages, tokens_nt, start_n, table_nw, last_n, lora, *, attention="auto"):
+    """Row i's tokens at positions start_n[i] …, attending its pages before them too (a cached prefix);
+    the hidden state at row i's token last_n[i]."""
     model = nnx.merge(graphdef, state)
     n, T = tokens_nt.shape
-    positions_nt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (n, T))
+    positions_nt = start_n[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     h_ntd, pages = model.hidden(tokens_nt, positions_nt, cache=pages, layers=layers,
-                                cache_attention=paged_cache_attention(table_nw, attention))
+                                cache_attention=paged_cache_attention(table_nw, attention), **(lora or {}))
     return pages, jnp.take_along_axis(h_ntd, last_n[:, None, None], axis=1)[:, 0]
 
 
@@ -186,11 +276,12 @@ def _first_tokens(graphdef, state, hidden_md, keys_mk, *, temperature, top_p, to
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3,
                    static_argnames=("steps", "temperature", "top_p", "top_k", "stops", "attention"))
-def _decode_chunk(graphdef, state, layers, pages, table_sw, token_s, pos_s, n_gen_s, live_s, keys_sk, max_new, *,
-                  steps, temperature, top_p, top_k, stops, attention="auto"):
+def _decode_chunk(graphdef, state, layers, pages, table_sw, token_s, pos_s, n_gen_s, live_s, keys_sk, max_new, lora,
+                  *, steps, temperature, top_p, top_k, stops, attention="auto"):
     """Up to `steps` decode steps over every slot (fewer when all are done). A slot stops on a stop token
     or at max_new tokens; a done slot keeps rewriting its last position with the token it read there
-    (inside its own pages), so it never writes past what the scheduler gave it."""
+    (inside its own pages), so it never writes past what the scheduler gave it. `lora`: None, or the
+    stream's stacked adapters with the rows of each set ({"lora", "lora_scale", "lora_groups"})."""
     model = nnx.merge(graphdef, state)
     S = token_s.shape[0]
     stop_ids = jnp.asarray(stops, jnp.int32)
@@ -201,7 +292,7 @@ def _decode_chunk(graphdef, state, layers, pages, table_sw, token_s, pos_s, n_ge
 
     def body(c):
         h, pages = model.hidden(c["token"][:, None], c["pos"][:, None], cache=c["pages"], layers=layers,
-                                cache_attention=attend)
+                                cache_attention=attend, **(lora or {}))
         tok, logp = sample_rows(model.logits(h[:, 0]), keys_sk, c["n_gen"], temperature, top_p, top_k)
         active = ~c["done"]
         hit = active & jnp.isin(tok, stop_ids)

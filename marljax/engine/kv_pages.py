@@ -62,6 +62,13 @@ def copy_pages(pages: list[dict], src, dst) -> list[dict]:
     return [{name: a.at[0, dst].set(a[0, src]) for name, a in layer.items()} for layer in pages]
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def grow_pages(pages: list[dict], extra: int) -> list[dict]:
+    """The pool with `extra` zeroed pages appended to every rank's pool (page ids are kept)."""
+    return [{name: jnp.concatenate([a, jnp.zeros(a.shape[:1] + (extra,) + a.shape[2:], a.dtype)], axis=1)
+             for name, a in layer.items()} for layer in pages]
+
+
 class PagePool:
     """Host-side allocator over pages 1 … num_pages − 1 with reference counts; tracks the peak in use."""
 
@@ -80,6 +87,12 @@ class PagePool:
     @property
     def in_use(self) -> int:
         return self.num_pages - 1 - len(self.free_list)
+
+    def grow(self, num_pages: int) -> None:
+        """Pages num_pages_before … num_pages − 1 become free (handed out after the free ones)."""
+        self.free_list = list(range(num_pages - 1, self.num_pages - 1, -1)) + self.free_list
+        self.refs += [0] * (num_pages - self.num_pages)
+        self.num_pages = num_pages
 
     def alloc(self, n: int) -> list[int]:
         """n fresh pages (reference count 1); RuntimeError when fewer are free (the scheduler reserves

@@ -6,7 +6,8 @@ that `marljax.sharding` maps onto a device mesh; activations are constrained by 
 (`marljax.sharding.constrain`, a no-op without a mesh).
 
 The forward pass optionally takes LoRA adapters as a plain pytree (`lora`), so one frozen base serves
-any number of adapter sets (one per parameter set of the role map), and a KV cache for sampling.
+any number of adapter sets (one per parameter set of the role map), and a KV cache for sampling; with a
+cache, one batch may mix the sets, each row applying its own (`hidden`'s `lora_groups`).
 
 Shape suffixes, the one legend of the package: an array's name ends in one lower-case letter per axis,
 in order (`q_bthd` is [B, T, H, D]); docstrings and comments write the same letters upper-case. The
@@ -139,12 +140,16 @@ def rope(x_bthd, cos, sin):
     return out.astype(x_bthd.dtype)
 
 
-def linear(x, w, name: str, lora_layer: dict | None, lora_scale: float, n_in: int):
+def linear(x, w, name: str, lora_layer: dict | None, lora_scale: float, n_in: int, token_groups=None):
     """x[..., *in] @ w[*in, *out], plus the LoRA term scale·(x A) B when `lora_layer` has `name`.
 
     Leading axes are flattened to one token axis first: a weight or adapter gradient then contracts a
     single axis, where two (batch, length) make XLA CPU transpose the whole cotangent first (fused with
     its producer at a token stride: ~25% of a SmolLM2 LoRA step).
+
+    With `token_groups` (int32 [G]), `lora_layer` holds G adapter sets (a: [G, *in, r], b: [G, r, *out])
+    and the flattened tokens are grouped by set: the first token_groups[0] use set 0, the next set 1, …;
+    tokens past their sum get no LoRA term (`grouped_lora_delta`).
     """
     lead = x.shape[:-n_in]
     x = x.reshape((-1,) + x.shape[len(lead):])
@@ -156,13 +161,34 @@ def linear(x, w, name: str, lora_layer: dict | None, lora_scale: float, n_in: in
     if lora_layer is None or name not in lora_layer:  # output in the compute dtype (float32 accumulation)
         y = jnp.einsum(spec, x, w)
     else:  # base and delta in float32, rounded once to the compute dtype (models/precision.py)
-        a, b = lora_layer[name]["a"], lora_layer[name]["b"]  # a: [*in, r], b: [r, *out]
-        h = jnp.einsum(f"t{in_axes},{in_axes}r->tr", x, a.astype(x.dtype))
-        delta = lora_scale * dot_f32(f"tr,r{out_axes}->t{out_axes}", h, b.astype(x.dtype))
+        a, b = lora_layer[name]["a"], lora_layer[name]["b"]  # a: [(G,) *in, r], b: [(G,) r, *out]
+        if token_groups is None:
+            h = jnp.einsum(f"t{in_axes},{in_axes}r->tr", x, a.astype(x.dtype))
+            delta = lora_scale * dot_f32(f"tr,r{out_axes}->t{out_axes}", h, b.astype(x.dtype))
+        else:  # in and out axes as one each: wq's out is [H, D], wo's in is [H, D]
+            G, r = a.shape[0], a.shape[-1]
+            delta = lora_scale * grouped_lora_delta(
+                x.reshape(x.shape[0], -1), a.reshape(G, -1, r).astype(x.dtype),
+                b.reshape(G, r, -1).astype(x.dtype), token_groups).reshape(x.shape[:1] + w.shape[n_in:])
         y = (dot_f32(spec, x, w) + delta).astype(x.dtype)
         if x.dtype != jnp.float32:  # remat's `dots` keeps it: it does not see dot_f32's custom-VJP matmul
             y = checkpoint_name(y, LINEAR_OUTPUT)
     return y.reshape(lead + y.shape[1:])
+
+
+def grouped_lora_delta(x_ni, a_gir, b_gro, groups_g):
+    """(x A[g]) B[g] in float32 for each token n of set g: tokens sorted by set, `groups_g` int32 [G] of
+    them per set (N ≥ their sum; the tokens past it get 0). Two `jax.lax.ragged_dot`s, x A[g] in the
+    compute dtype as the single-set branch's; the padding is zeroed explicitly, as backends' kernels need
+    not write rows outside every group. TPU and GPU lower ragged_dot to XLA's ragged-dot instruction (a
+    grouped matmul: each token's own set only); CPU expands it to every set on masked tokens (G× the
+    adapter FLOPs), which at decode shapes still beats gathering each row's A and B (B copies of the
+    adapters) and ties with masking every set's delta; gathering wins only for few long rows (prefill):
+    bench/lora_rows.py, docs/benchmarks.md "Per-row LoRA"."""
+    h_nr = jax.lax.ragged_dot(x_ni, a_gir, groups_g)
+    d_no = jax.lax.ragged_dot(h_nr, b_gro, groups_g, preferred_element_type=jnp.float32)
+    real_n = jnp.arange(x_ni.shape[0]) < jnp.sum(groups_g)
+    return jnp.where(real_n[:, None], d_no, 0.0)
 
 
 class Decoder(nnx.Module):
@@ -216,7 +242,7 @@ class Decoder(nnx.Module):
 
     def hidden(self, tokens_bt, positions_bt=None, *, cache=None, lora=None, lora_scale=1.0,
                kv_mask_bs=None, remat: str = "none", layers=None, attention_impl: str = "auto",
-               cache_attention=None):
+               cache_attention=None, lora_groups=None):
         """Last hidden states [B, T, E] (before the final norm) and the updated cache (or None).
 
         Without a cache, the stacked layers run under `lax.scan` and attention is causal over the T
@@ -231,9 +257,16 @@ class Decoder(nnx.Module):
         once outside a decode loop, to read those weights in place. `cache_attention(q, k, v, kv,
         positions_bt) -> (attn, new_kv)` replaces the cache write and attention for another cache
         layout (the rollout engine's KV pages, `marljax.engine.paged_attention`).
+
+        Per-row adapters (cached path only): `lora` holds G parameter sets stacked on a leading axis
+        (`lora.stack_adapters`: a [G, n, *in, r], b [G, n, r, *out]) and `lora_groups` (int32 [G], traced)
+        says how many rows each set has: rows are sorted by set (rows 0 … g0 − 1 set 0, then set 1, …),
+        every row adds its own set's scale·(x A) B to the shared base weights (no merged copy per set),
+        and the rows past sum(lora_groups) ≤ B (padding) run the base alone.
         """
         c = self.config
         B, T = tokens_bt.shape
+        token_groups = None if lora_groups is None else _token_groups(lora, lora_groups, cache, T)
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         x = jnp.take(self.embed[...], tokens_bt, axis=0).astype(c.jnp_dtype)  # the residual stream
@@ -249,10 +282,13 @@ class Decoder(nnx.Module):
         rot = rope_tables(positions_bt, c.head_dim, c.rope_theta)
 
         def block(x, p, lora_l, kv):
+            def lin(x, name, n_in=1):
+                return linear(x, p[name], name, lora_l, lora_scale, n_in, token_groups)
+
             h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
-            q = constrain(linear(h, p["wq"], "wq", lora_l, lora_scale, 1), _HEADS)
-            k = constrain(linear(h, p["wk"], "wk", lora_l, lora_scale, 1), _KV_HEADS)
-            v = constrain(linear(h, p["wv"], "wv", lora_l, lora_scale, 1), _KV_HEADS)
+            q = constrain(lin(h, "wq"), _HEADS)
+            k = constrain(lin(h, "wk"), _KV_HEADS)
+            v = constrain(lin(h, "wv"), _KV_HEADS)
             if c.qk_norm:
                 q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
                 k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
@@ -267,21 +303,23 @@ class Decoder(nnx.Module):
                       "v": kv["v"].at[rows_bt, :, :, positions_bt].set(v.astype(kv["v"].dtype))}
                 attn = attention(q, kv["k"], kv["v"], mask_bts, "cache")
             attn = constrain(attn, _HEADS)
-            x = x + linear(attn, p["wo"], "wo", lora_l, lora_scale, 2)
+            x = x + lin(attn, "wo", 2)
             h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-            gate = linear(h, p["w_gate"], "w_gate", lora_l, lora_scale, 1)
-            up = linear(h, p["w_up"], "w_up", lora_l, lora_scale, 1)
+            gate = lin(h, "w_gate")
+            up = lin(h, "w_up")
             act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-            x = x + linear(act, p["w_down"], "w_down", lora_l, lora_scale, 1)
+            x = x + lin(act, "w_down")
             return constrain(x, ("batch", "length", "act_embed")), kv
 
-        n_adapted = c.num_layers if lora is None else jax.tree.leaves(lora)[0].shape[0]
+        layer_axis = 0 if lora_groups is None else 1  # stacked sets: [G, n, …]
+        n_adapted = c.num_layers if lora is None else jax.tree.leaves(lora)[0].shape[layer_axis]
         split = c.num_layers - n_adapted  # adapters cover the last n_adapted layers
         if cache is not None:
             layers = self.layer_list() if layers is None else layers
             new_cache = []
             for i, p in enumerate(layers):
-                lora_l = None if lora is None or i < split else jax.tree.map(lambda a: a[i - split], lora)
+                at = (slice(None),) * layer_axis + (i - split,)
+                lora_l = None if lora is None or i < split else jax.tree.map(lambda a: a[at], lora)
                 x, kv = block(x, p, lora_l, cache[i])
                 new_cache.append(kv)
             return x, new_cache
@@ -326,6 +364,22 @@ REMAT = {
         jax.checkpoint_policies.save_only_these_names(LINEAR_OUTPUT)),
     "none": None,  # keep everything, attention probabilities included (∝ layers × B·heads·T²)
 }
+
+
+def _token_groups(lora, lora_groups, cache, tokens_per_row: int):
+    """Per-set token counts of the flattened [B·T] tokens (each row's T tokens are contiguous), after
+    checking that `lora_groups` comes with a cache and one count per stacked set."""
+    if cache is None:
+        raise ValueError("lora_groups (per-row adapters) needs the cached path: pass `cache` (init_cache or "
+                         "the engine's pages); the uncached pass takes one adapter set (`lora`).")
+    if lora is None:
+        raise ValueError("lora_groups needs `lora`: the sets' adapters stacked by lora.stack_adapters.")
+    sets = jax.tree.leaves(lora)[0].shape[0]
+    if jnp.shape(lora_groups) != (sets,):
+        raise ValueError(f"lora_groups has shape {jnp.shape(lora_groups)}; the stacked adapters hold {sets} "
+                         f"sets, so it needs one row count per set: shape ({sets},).")
+    return jnp.asarray(lora_groups, jnp.int32) * tokens_per_row
+
 
 _HEADS = ("batch", "length", "act_heads", "head_dim")
 _KV_HEADS = ("batch", "length", "act_kv_heads", "head_dim")

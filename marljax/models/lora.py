@@ -2,7 +2,9 @@
 
 An adapter set is `{target: {"a": [L, *in, r], "b": [L, r, *out]}}` for the targeted linear maps of
 every layer; the decoder adds `scale · (x A) B` (scale = alpha / rank). One frozen base serves any
-number of sets, so Isolated-Policy costs one adapter per role, not one model per role.
+number of sets, so Isolated-Policy costs one adapter per role, not one model per role; `stack_adapters`
+puts G sets on a leading axis so that one batch's rows each apply their own (`Decoder.hidden`'s
+`lora_groups`).
 
 Own implementation rather than qwix: our layers are stacked einsums over a scanned layer axis, which
 qwix's module-interception LoRA does not target; the adapter math is a few lines and this keeps the
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +65,26 @@ def init_lora(config: ModelConfig, lora: LoRAConfig, key: jax.Array, dtype=jnp.f
         a = jax.random.normal(jax.random.fold_in(key, i), (n, *in_dims, lora.rank), dtype)
         out[name] = {"a": a * fan_in ** -0.5, "b": jnp.zeros((n, lora.rank, *out_dims), dtype)}
     return out
+
+
+def stack_adapters(adapters: Sequence[dict]) -> dict:
+    """G adapter sets of one LoRAConfig stacked on a new leading axis, {target: {"a": [G, n, *in, r],
+    "b": [G, n, r, *out]}}: what `Decoder.hidden(lora=…, lora_groups=…)` reads to give each batch row
+    its own set's adapter on the shared base."""
+    if not adapters:
+        raise ValueError("stack_adapters needs at least one adapter set.")
+    first = adapters[0]
+    for i, adapter in enumerate(adapters[1:], 1):
+        if sorted(adapter) != sorted(first):
+            raise ValueError(f"stack_adapters: adapter {i} targets {sorted(adapter)}, adapter 0 targets "
+                             f"{sorted(first)}; the sets of one batch share one LoRAConfig.")
+        for name in first:
+            for part in ("a", "b"):
+                got, want = jnp.shape(adapter[name][part]), jnp.shape(first[name][part])
+                if got != want:
+                    raise ValueError(f"stack_adapters: adapter {i}'s {name}.{part} has shape {got}, adapter "
+                                     f"0's {want} (rank and adapted layers must match across the sets).")
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *adapters)
 
 
 def lora_delta(adapter: dict, scale: float) -> dict:

@@ -1,11 +1,12 @@
-"""Workflow vocabulary and the batched rollout engine.
+"""Workflow vocabulary and the rollout driver.
 
 A workflow describes one episode as a script: a Python generator that yields a *stage* (the list of
-role calls that can run now), receives their response texts, and finally returns an `Outcome`. The
-engine drives the scripts of all episodes in lockstep: every call of a stage, across all episodes, goes
-to the sampler at once, grouped by parameter set (`route[role]`). So a step costs one sampler call per
-stage and per distinct set in it, however many agents there are; episodes that finish early (Eval-Opt)
-simply stop yielding. Rewards are computed afterwards in one batched `reward_fn` call.
+role calls that can run now), receives their response texts, and finally returns an `Outcome`.
+`rollout` drives the scripts of many episodes: with a streaming sampler (the rollout engine) each
+episode submits its next stage as soon as its previous one returns, so no episode waits for another's
+slow call; with a plain `SampleFn` every stage of every episode goes to the sampler at once, one call per
+parameter set (`route[role]`). Episodes that finish early (Eval-Opt) simply stop yielding. Rewards are
+computed afterwards in one batched `reward_fn` call.
 """
 from __future__ import annotations
 
@@ -281,10 +282,73 @@ def stage_seed(seed: int, stage: int, set_name: str) -> int:
     return int(np.random.SeedSequence(words).generate_state(1)[0]) & 0x7FFFFFFF
 
 
+def call_seed(seed: int, episode: int, stage: int, index: int) -> int:
+    """A distinct, deterministic 31-bit seed for one role call: call `index` of stage `stage` of episode
+    `episode` (what a streaming sampler draws that call from, whatever else is in flight)."""
+    words = [seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF, episode, stage, index]
+    return int(np.random.SeedSequence(words).generate_state(1)[0]) & 0x7FFFFFFF
+
+
+class StreamSampler(Protocol):
+    """What `rollout` drives: role calls submitted one at a time as episodes reach them, completions taken
+    as they finish (the rollout engine: no stage waits for another episode's calls)."""
+
+    calls: int  # sampler calls (or decode rounds) made so far, for `Rollout.sampler_calls`
+
+    def submit(self, set_name: str, prompt: list[int], seed: int) -> int:
+        """Queue one request from set `set_name`, drawn with `seed` (`call_seed`); returns its ticket."""
+        ...
+
+    def poll(self) -> list[tuple[int, Completion]]:
+        """Run until at least one queued request is done; return (ticket, completion) of every done one."""
+        ...
+
+
+class BatchedSampleFn:
+    """A `SampleFn` as a `StreamSampler`: each `poll` samples everything queued, one `sample_fn` call per
+    parameter set (sorted by name, prompts in submission order) with `stage_seed(seed, round, set)`. Under
+    `rollout` every episode then advances one stage per poll, in lockstep; per-call seeds are unused."""
+
+    def __init__(self, sample_fn: SampleFn, seed: int):
+        self.sample_fn, self.seed = sample_fn, seed
+        self.queue: list[tuple[int, str, list[int]]] = []
+        self.calls = self.round = self.submitted = 0
+
+    def submit(self, set_name: str, prompt: list[int], seed: int) -> int:
+        self.submitted += 1
+        self.queue.append((self.submitted, set_name, prompt))
+        return self.submitted
+
+    def poll(self) -> list[tuple[int, Completion]]:
+        queue, self.queue = self.queue, []
+        done = []
+        for set_name in sorted({s for _, s, _ in queue}):
+            tickets = [t for t, s, _ in queue if s == set_name]
+            prompts = [p for _, s, p in queue if s == set_name]
+            samples = self.sample_fn(set_name, prompts, stage_seed(self.seed, self.round, set_name))
+            if len(samples) != len(prompts):
+                raise ValueError(f"sample_fn({set_name!r}) returned {len(samples)} samples for {len(prompts)} "
+                                 "prompts.")
+            done += zip(tickets, samples)
+            self.calls += 1
+        self.round += 1
+        return done
+
+
+@dataclasses.dataclass
+class _Stage:
+    """An episode's stage in flight: its calls, their prompt ids and the completions received so far."""
+
+    index: int
+    calls: list[RoleCall]
+    prompts: list[list[int]]
+    results: list[Completion | None]
+
+
 def rollout(
     workflow: Workflow,
     problems: Sequence[Problem],
-    sample_fn: SampleFn,
+    sampler: SampleFn | StreamSampler,
     codec: ChatCodec,
     route: Mapping[str, str],
     *,
@@ -294,13 +358,17 @@ def rollout(
     grade_calls: bool = True,
     max_prompt_tokens: int | None = None,
 ) -> Rollout:
-    """Run `n_rollouts` episodes of `workflow` per problem, batched by stage and parameter set.
+    """Run `n_rollouts` episodes of `workflow` per problem; episode `i * n_rollouts + r` is rollout r of
+    problems[i].
 
-    Episode `i * n_rollouts + r` is rollout r of problems[i]. Each stage's calls go to `sample_fn` once
-    per set, with `stage_seed(seed, stage, set)`; a call's output depends only on its own prompt (and the
-    sampler's randomness), never on the other episodes. Afterwards `reward_fn` grades, in one call, every
-    episode's final answer and, if `grade_calls`, the outputs of `workflow.graded_roles` (for per-role
-    metrics only; rewards are the final answer's).
+    Each episode advances on its own: the calls of its next stage are submitted to the sampler as soon as
+    its current stage's completions are all back, with no barrier across episodes. A `StreamSampler`
+    draws call k of stage s of episode e with `call_seed(seed, e, s, k)`, so a call's output depends on its
+    prompt and that seed only, never on the other episodes or the order they finish in. A plain `SampleFn`
+    is driven in lockstep (`BatchedSampleFn`: one call per stage and parameter set, seeded
+    `stage_seed(seed, stage, set)`). Calls are recorded in (stage, episode, call) order either way.
+    Afterwards `reward_fn` grades, in one call, every episode's final answer and, if `grade_calls`, the
+    outputs of `workflow.graded_roles` (for per-role metrics only; rewards are the final answer's).
 
     `max_prompt_tokens` (None or 0: no cap): as in the paper, a longer prompt ends the episode. No call
     of that stage of the episode is sampled; the episode keeps the calls it made before, its final
@@ -312,49 +380,73 @@ def rollout(
                          f"{workflow.name!r}; route = {dict(route)}")
     if n_rollouts < 1:
         raise ValueError(f"n_rollouts must be >= 1, got {n_rollouts}")
+    stream = sampler if hasattr(sampler, "submit") else BatchedSampleFn(sampler, seed)
+    calls_before = stream.calls
     owners = [(i, r) for i in range(len(problems)) for r in range(n_rollouts)]
     scripts = [workflow.episode(problems[i]) for i, _ in owners]
-    pending = {e: _first_stage(s, workflow) for e, s in enumerate(scripts)}
-    calls: list[CallRecord] = []
-    episode_calls: list[list[int]] = [[] for _ in owners]
+    records: dict[tuple[int, int, int], CallRecord] = {}  # (stage, episode, call) -> record
     outcomes: dict[int, Outcome] = {}
     overflow: set[int] = set()
-    sampler_calls = stage = 0
-    while pending:
-        requests = [(e, c) for e, stage_calls in pending.items() for c in stage_calls]
-        prompts = [codec.render([dict(m) for m in c.messages]) for _, c in requests]
-        over = {e for (e, _), p in zip(requests, prompts) if max_prompt_tokens and len(p) > max_prompt_tokens}
-        for e in over:
+    stages: dict[int, _Stage] = {}  # episode -> its stage in flight
+    tickets: dict[int, tuple[int, int]] = {}  # ticket -> (episode, call index in its stage)
+
+    def start(e: int, index: int, stage_calls: list[RoleCall]) -> None:
+        prompts = [codec.render([dict(m) for m in c.messages]) for c in stage_calls]
+        if max_prompt_tokens and any(len(p) > max_prompt_tokens for p in prompts):
             scripts[e].close()
             outcomes[e] = Outcome("", {})
-            del pending[e]
-        overflow |= over
-        kept = [k for k, (e, _) in enumerate(requests) if e not in over]
-        requests, prompts = [requests[k] for k in kept], [prompts[k] for k in kept]
-        results, n_calls = _run_stage(requests, prompts, sample_fn, codec, route, seed, stage)
-        sampler_calls += n_calls
-        texts: dict[int, list[str]] = {e: [] for e in pending}
-        for (e, call), (prompt_ids, sample, text) in zip(requests, results):
-            i, r = owners[e]
-            p = problems[i]
-            episode_calls[e].append(len(calls))
-            calls.append(CallRecord(
+            overflow.add(e)
+            return
+        stages[e] = _Stage(index, stage_calls, prompts, [None] * len(stage_calls))
+        for k, (c, p) in enumerate(zip(stage_calls, prompts)):
+            tickets[stream.submit(route[c.role], p, call_seed(seed, e, index, k))] = (e, k)
+
+    def finish(e: int) -> None:
+        """Record episode e's completed stage and send its texts to the script."""
+        st = stages.pop(e)
+        i, r = owners[e]
+        p = problems[i]
+        texts = []
+        for k, (call, prompt, sample) in enumerate(zip(st.calls, st.prompts, st.results)):
+            text = codec.decode(list(sample.tokens))
+            records[(st.index, e, k)] = CallRecord(
                 episode=e, problem_index=i, problem_id=p.id, rollout=r, role=call.role, slot=call.slot,
-                turn=call.turn, stage=stage, set_name=route[call.role], messages=call.messages,
-                prompt_ids=prompt_ids, response_ids=list(sample.tokens), logprobs=list(sample.logprobs),
+                turn=call.turn, stage=st.index, set_name=route[call.role], messages=call.messages,
+                prompt_ids=list(prompt), response_ids=list(sample.tokens), logprobs=list(sample.logprobs),
                 text=text, truncated=bool(sample.truncated),
-                parse_failed=workflow.parse_failed(call.role, text, p.kind)))
-            texts[e].append(text)
-        next_pending = {}
-        for e, outs in texts.items():
-            try:
-                next_pending[e] = _checked_stage(scripts[e].send(outs), workflow)
-            except StopIteration as stop:
-                outcomes[e] = _checked_outcome(stop.value, workflow)
-        pending = next_pending
-        stage += 1
-    return _grade(workflow, problems, owners, calls, episode_calls, outcomes, overflow, sampler_calls,
-                  reward_fn, grade_calls)
+                parse_failed=workflow.parse_failed(call.role, text, p.kind))
+            texts.append(text)
+        try:
+            nxt = scripts[e].send(texts)
+        except StopIteration as stop:
+            outcomes[e] = _checked_outcome(stop.value, workflow)
+            return
+        start(e, st.index + 1, _checked_stage(nxt, workflow))
+
+    for e, script in enumerate(scripts):
+        start(e, 0, _first_stage(script, workflow))
+    while tickets:
+        done = stream.poll()
+        if not done:
+            raise RuntimeError(f"the sampler returned nothing with {len(tickets)} requests outstanding.")
+        complete = set()
+        for ticket, sample in done:
+            e, k = tickets.pop(ticket)
+            if len(sample.tokens) != len(sample.logprobs):
+                raise ValueError(f"the sampler returned {len(sample.tokens)} tokens but {len(sample.logprobs)} "
+                                 f"logprobs for one sample (set {route[stages[e].calls[k].role]!r}).")
+            stages[e].results[k] = sample
+            if all(x is not None for x in stages[e].results):
+                complete.add(e)
+        for e in sorted(complete):
+            finish(e)
+    calls: list[CallRecord] = []
+    episode_calls: list[list[int]] = [[] for _ in owners]
+    for key in sorted(records):
+        episode_calls[key[1]].append(len(calls))
+        calls.append(records[key])
+    return _grade(workflow, problems, owners, calls, episode_calls, outcomes, overflow,
+                  stream.calls - calls_before, reward_fn, grade_calls)
 
 
 def _first_stage(script: EpisodeScript, workflow: Workflow) -> list[RoleCall]:
@@ -377,25 +469,6 @@ def _checked_outcome(outcome: Any, workflow: Workflow) -> Outcome:
     if not isinstance(outcome, Outcome):
         raise TypeError(f"Workflow {workflow.name!r} episode returned {type(outcome).__name__}, not Outcome.")
     return outcome
-
-
-def _run_stage(requests, rendered, sample_fn, codec, route, seed, stage):
-    """Sample every call of a stage (`rendered`: their prompt ids): one `sample_fn` call per parameter
-    set. Returns, per request, (prompt ids, sample, decoded text), and the number of sampler calls made."""
-    results: list[Any] = [None] * len(requests)
-    set_names = sorted({route[c.role] for _, c in requests})
-    for set_name in set_names:
-        idx = [k for k, (_, c) in enumerate(requests) if route[c.role] == set_name]
-        prompts = [rendered[k] for k in idx]
-        samples = sample_fn(set_name, prompts, stage_seed(seed, stage, set_name))
-        if len(samples) != len(prompts):
-            raise ValueError(f"sample_fn({set_name!r}) returned {len(samples)} samples for {len(prompts)} prompts.")
-        for k, prompt, s in zip(idx, prompts, samples):
-            if len(s.tokens) != len(s.logprobs):
-                raise ValueError(f"sample_fn({set_name!r}) returned {len(s.tokens)} tokens but "
-                                 f"{len(s.logprobs)} logprobs for one sample.")
-            results[k] = (list(prompt), s, codec.decode(list(s.tokens)))
-    return results, len(set_names)
 
 
 def _grade(workflow, problems, owners, calls, episode_calls, outcomes, overflow, sampler_calls, reward_fn,

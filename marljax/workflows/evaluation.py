@@ -9,7 +9,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from marljax.tasks.problem import Problem
-from marljax.workflows.base import ChatCodec, RewardFn, Rollout, SampleFn, Workflow, grade_serially, rollout
+from marljax.workflows.base import (ChatCodec, RewardFn, Rollout, SampleFn, StreamSampler, Workflow, grade_serially,
+                                   rollout)
 from marljax.workflows.metrics import rollout_metrics
 
 
@@ -22,7 +23,7 @@ class Evaluation:
 def evaluate_workflow(
     workflow: Workflow,
     problems: Sequence[Problem],
-    sample_fn: SampleFn,
+    sampler: SampleFn | StreamSampler,
     codec: ChatCodec,
     route: Mapping[str, str],
     seed: int = 0,
@@ -48,7 +49,7 @@ def evaluate_workflow(
     with tqdm(total=len(problems) * k, unit="episode", desc=f"eval {workflow.name}", disable=not progress) as bar:
         for b, start in enumerate(range(0, len(problems), batch_size)):
             batch_seed = int(np.random.SeedSequence([seed, b]).generate_state(1)[0])
-            part = rollout(workflow, problems[start: start + batch_size], sample_fn, codec, route,
+            part = rollout(workflow, problems[start: start + batch_size], sampler, codec, route,
                            n_rollouts=k, seed=batch_seed, reward_fn=reward_fn,
                            max_prompt_tokens=max_prompt_tokens)
             parts.append(part)

@@ -1,0 +1,117 @@
+"""A whole Voting rollout step of the default run, before and after the rollout engine.
+
+`configs/default.yaml` (SmolLM2-135M-Instruct, Voting with 3 voters + aggregator, shared LoRA set on
+the last 4 layers, 4 problems × 4 rollouts, T = 0.7, max 32 new tokens), the parameters of a fresh run
+with the LoRA B matrices perturbed (so the adapter is not a no-op). Contenders, alternated within each
+repeat (the machine drifts):
+  before  `rollout` in lockstep over the static sampler (`marljax.static_sampler.generate_static`): one
+          call per stage and parameter set, each decoding until its longest row ends
+  after   `rollout` over the engine (`Run.rollout_sampler`: `PolicyStream`), each episode submitting its
+          aggregator call as soon as its 3 voters are back
+Both fold the set's LoRA into per-layer weights once per rollout. Each repeat uses its own rollout seed
+(both contenders the same). Compile time is excluded: each contender first runs one untimed rollout.
+
+    nice python bench/rollout_step.py [--repeats 3] [--write]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+import time
+
+from benchdoc import machine, publish  # first (before jax); bench/ is on sys.path when a script here runs
+import jax
+import numpy as np
+
+from marljax.config import load_config
+from marljax.sampling import layer_weights
+from marljax.static_sampler import generate_static
+from marljax.train import Run
+from marljax.workflows import Completion, EvalOpt, rollout
+
+
+def static_sample_fn(run: Run, params: dict, temperature: float):
+    """Today's sampler before the engine: per set one static-batch call, the set's LoRA folded once."""
+    sp = run.policy.sampler(run.cfg, params).settings
+    weights = {s: layer_weights(run.policy.model, a, run.policy.lora_cfg.scale) for s, a in params.items()}
+
+    def fn(set_name, prompts, seed):
+        out = generate_static(run.policy.model, prompts, sp.params(temperature, seed), layers=weights[set_name])
+        return [Completion(t, lp, not f) for t, lp, f in zip(out.tokens, out.logprobs, out.finished)]
+    return fn
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--write", action="store_true", help="replace the section in docs/benchmarks.md")
+    args = ap.parse_args()
+    cfg = load_config("configs/default.yaml", [])
+    run = Run(cfg)
+    params = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape), run.state.params)
+    T = run.cfg.sampling.temperature
+    problems = run.batch_problems(1)
+
+    def one(name, seed):
+        sampler = static_sample_fn(run, params, T) if name == "before" else run.policy.rollout_sampler(
+            run.cfg, params, T)
+        t = time.perf_counter()
+        ro = rollout(run.workflow, problems, sampler, run.policy.codec, run.route, n_rollouts=run.cfg.rl.rollouts,
+                     seed=seed, max_prompt_tokens=run.cfg.sampling.max_prompt_tokens)
+        wall = time.perf_counter() - t
+        return wall, sum(len(c.response_ids) for c in ro.calls), np.mean([e.reward for e in ro.episodes])
+
+    first = {name: one(name, 1000)[0] for name in ("before", "after")}
+    walls = {"before": [], "after": []}
+    tokens = {"before": [], "after": []}
+    for r in range(args.repeats):
+        for name in ("before", "after") if r % 2 == 0 else ("after", "before"):
+            wall, n, reward = one(name, r)
+            walls[name].append(wall)
+            tokens[name].append(n)
+            print(f"repeat {r} {name}: {wall:.2f} s, {n} tokens, mean reward {reward:.3f}", flush=True)
+    # Prefill work on the engine: Voting's identical voter prompts, Eval-Opt's growing chat (prefix cache)
+    prefill = {}
+    for wf in ("voting", "eval_opt"):
+        workflow = dataclasses.replace(run.workflow, n_votes=3) if wf == "voting" else EvalOpt(worked_example=True)
+        sampler = run.policy.rollout_sampler(run.cfg, params, T)
+        ro = rollout(workflow, problems, sampler, run.policy.codec, run.route, n_rollouts=run.cfg.rl.rollouts, seed=0)
+        stats = [s.stats for s in sampler.stream.streams.values()]
+        prefill[wf] = (len(ro.calls), sum(len(c.prompt_ids) for c in ro.calls), sum(x.prefill_tokens for x in stats),
+                       sum(x.cached_tokens for x in stats))
+    ratio = [b / a for b, a in zip(walls["before"], walls["after"])]
+    se = statistics.stdev(ratio) / math.sqrt(len(ratio)) if len(ratio) > 1 else float("nan")
+    lines = ["## Voting rollout step of the default run (CPU)", "",
+             f"`nice python bench/rollout_step.py --repeats {args.repeats}` on {time.strftime('%Y-%m-%d %H:%M')}, "
+             f"{machine()}, jax {jax.__version__}. configs/default.yaml: SmolLM2-135M-Instruct, Voting (3 voters "
+             f"+ aggregator), shared LoRA on the last 4 layers (B perturbed), {len(problems)} problems × "
+             f"{run.cfg.rl.rollouts} rollouts = {len(problems) * run.cfg.rl.rollouts * 4} role calls, T = {T}, "
+             f"max {run.cfg.sampling.max_new_tokens} new tokens. before = lockstep `rollout` over the static "
+             "sampler (one call per stage); after = the engine, episodes advancing on their own. Contenders "
+             "alternate, one rollout seed per repeat shared by both; compile excluded (one untimed rollout "
+             "each first: first-run seconds in the last column).", "",
+             "| contender | wall s per rollout step (mean ± s.e.) | generated tokens (mean) | first run s |",
+             "|---|---|---|---|"]
+    for name in ("before", "after"):
+        w = walls[name]
+        s = statistics.stdev(w) / math.sqrt(len(w)) if len(w) > 1 else float("nan")
+        lines.append(f"| {name} | {statistics.mean(w):.2f} ± {s:.2f} | {statistics.mean(tokens[name]):.0f} | "
+                     f"{first[name]:.1f} |")
+    lines += ["", f"before / after, paired per repeat: **{statistics.mean(ratio):.2f}× ± {se:.2f}** "
+              f"({args.repeats} repeats). The samples differ (the engine draws each call from its own seed), so "
+              "the generated token counts differ too.", "",
+              "Prefill work of one rollout on the engine (same problems and settings; Eval-Opt with the paper's 3 "
+              "iterations for math, `worked_example`):", "",
+              "| workflow | role calls | prompt tokens submitted | prefilled | from the prefix cache |", "|---|---|---|---|---|"]
+    for wf, (calls, submitted, done, cached) in prefill.items():
+        lines.append(f"| {wf} | {calls} | {submitted} | {done} ({done / submitted:.0%}) | {cached} |")
+    lines += ["", "Prefilled = computed once per distinct prompt (the 4 rollouts × 3 voters of a problem share one "
+              "prefill) minus the leading pages found in the prefix cache (Eval-Opt: each call's prompt starts "
+              "with the previous call's history).", ""]
+    publish("\n".join(lines), args.write)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Drawing tokens: the sampling settings, the sampler's output, and the per-row token draw.
+
+Shared by the rollout engine (`marljax.engine.engine`) and the static sampler
+(`marljax.static_sampler`); `marljax.sampling` re-exports them. Logprobs are those of the drawn token
+under the tempered distribution it was drawn from, log_softmax(logits / temperature) (the raw logits at
+temperature 0), before top-p / top-k truncation: the distribution the trainer scores at
+`rl.logprob_temperature` (= the sampling temperature by default).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. temperature 0 = greedy; top_k 0 and top_p 1 = off."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be ≥ 1.")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be ≥ 0 (0 means greedy).")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1].")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be ≥ 0 (0 means off).")
+
+
+@dataclasses.dataclass
+class SampleOutput:
+    """Per prompt: generated ids (stop token included if hit), their logprobs, whether a stop hit."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    finished: list[bool]
+
+
+def first_argmax(x_bv):
+    """argmax over the last axis (first index on ties) as two plain reductions: on XLA CPU a max then a
+    min over indices takes 2.8 ms on [64, 49152] where the (value, index) reduction takes 7.2 ms."""
+    iota = jax.lax.broadcasted_iota(jnp.int32, x_bv.shape, x_bv.ndim - 1)
+    at_max = x_bv == jnp.max(x_bv, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(at_max, iota, x_bv.shape[-1]), axis=-1)
+
+
+def choose(logits_bv, key, temperature: float, top_p: float, top_k: int):
+    """Draw one token per row from float32 logits (greedy when temperature is 0)."""
+    if temperature == 0.0:
+        return first_argmax(logits_bv)
+    logits = logits_bv / temperature
+    neg = jnp.finfo(jnp.float32).min
+    if top_k > 0:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, neg, logits)
+    if top_p < 1.0:
+        sorted_desc = -jnp.sort(-logits, axis=-1)
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        cutoff = jnp.min(jnp.where(mass_before < top_p, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, neg, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def logprob_of(logits_bv, tok_b, temperature: float):
+    """log p(tok) under the tempered distribution (the raw logits at temperature 0), float32."""
+    tempered_bv = logits_bv / temperature if temperature > 0 else logits_bv
+    logit_b = jnp.take_along_axis(tempered_bv, tok_b[:, None], 1)[:, 0]
+    return logit_b - jax.nn.logsumexp(tempered_bv, axis=-1)
+
+
+def sample_rows(logits_bv, keys_bk, n_gen_b, temperature: float, top_p: float, top_k: int):
+    """Each row's next token, drawn with its own key (raw key data [b, k]) folded with its token index
+    n_gen_b, and its logprob (`logprob_of`): a row's draw depends on its own stream only."""
+    def one(logits_v, key_data, t):
+        key = jax.random.fold_in(jax.random.wrap_key_data(key_data), t)
+        return choose(logits_v[None], key, temperature, top_p, top_k)[0]
+
+    tok_b = jax.vmap(one)(logits_bv, keys_bk, n_gen_b)
+    return tok_b, logprob_of(logits_bv, tok_b, temperature)
