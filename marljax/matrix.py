@@ -26,9 +26,10 @@ The estimates are an explicit model, per chip, stated so they can be checked:
           `engine_plan`): continuous batching, so decode steps follow the real tokens — every response
           has `--response-fill` × the cap (1: 5,120 math / 2,048 code, the upper bound), a step
           advances every slot in flight and reads their KV pages, a finished sequence's slot is refilled
-          at once, and episodes advance on their own (no stage barrier): steps = max(tokens / slots,
-          the stages of one episode × its response length); prefill once per distinct prompt (a
-          GRPO group's rollouts and a stage's calls share the problem's prompt). Every stage runs its
+          at once: each stage takes max(its tokens / the sequences in flight, one response) steps, the
+          stages one after another (an upper bound for episodes that advance on their own); prefill
+          once per distinct prompt (a GRPO group's rollouts and a stage's calls share the problem's
+          prompt). The engine is priced with one pool per batch rank (`engine_plan`). Every stage runs its
           full iteration count with prompts at most the paper's cap; train FLOPs = 8·N·tokens
           (forward, recompute, backward to activations; LoRA has no base weight gradient) on the
           padded rows `rl.step.pack` builds, at 40% of peak. Upper bounds at fill 1.
