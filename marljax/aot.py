@@ -441,9 +441,10 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
     of the pool read once per step, an upper bound). What the run holds beside the engine's arguments
     — the base's stacked layers (the decode reads the per-layer copy; XLA would drop them as unread)
     and `held_bytes` per chip (the caller's: LoRA sets and Adam moments, as one array) — stays in both
-    programs as live arguments (kept, the held array donated and returned): XLA's TPU compiler spends whatever HBM it is not told about on
-    temporaries (measured: cutting the pool by 1.6 GiB raised the decode chunk's temp by 1.55 GiB), so
-    the fit is only checked with everything resident inside the program."""
+    programs as live arguments (kept, the held array donated and returned): XLA's TPU compiler spends
+    whatever HBM it is not told about on temporaries (measured: cutting the pool by 1.6 GiB raised the
+    decode chunk's temp by 1.55 GiB), so the fit is only checked with everything resident inside the
+    program."""
     devices = topology_devices(accelerator)
     import jax
     import jax.numpy as jnp
@@ -543,7 +544,8 @@ def engine_table(results: list[CompiledEngine]) -> str:
              f"{results[0].plan.page_size if results else 0} positions), TPU paged-attention kernel; p.: "
              f"prefill of one longest prompt per rank; d.: a decode chunk over every slot (args include held: "
              f"what the run holds beside the engine, the base's stacked layers, LoRA sets, Adam moments); "
-             f"total: the larger program; fit_pages: pages per rank that fit; step_*: one decode step per chip, roofline "
+             f"total: the larger program; fit_pages: pages per rank that fit; step_*: one decode step per chip, "
+             f"roofline "
              f"max(GFLOP / peak, GB / HBM bandwidth) (a model, not a measurement)",
              head]
     for c in results:
