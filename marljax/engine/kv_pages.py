@@ -64,7 +64,7 @@ def copy_pages(pages: list[dict], src, dst) -> list[dict]:
 
 @functools.partial(jax.jit, static_argnums=1)
 def grow_pages(pages: list[dict], extra: int) -> list[dict]:
-    """The pool with `extra` zeroed pages appended to every rank's pool (page ids are kept)."""
+    """The pool with `extra` zeroed pages appended to each rank's pool (page ids are kept)."""
     return [{name: jnp.concatenate([a, jnp.zeros(a.shape[:1] + (extra,) + a.shape[2:], a.dtype)], axis=1)
              for name, a in layer.items()} for layer in pages]
 
