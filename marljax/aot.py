@@ -430,7 +430,8 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
     """Compile `cell`'s rollout engine (`marljax.engine.engine`'s jitted `_prefill` and `_decode_chunk`)
     for `accelerator`'s topology, with abstract arguments: the cell's model (`cfg.model`, `cfg.dtype`;
     `layers` overrides its layer count, for tests) sharded as the sampler shards it (the cell's mesh and
-    rules), the per-layer copy of its layers the sampler decodes with (`sampling.layer_weights`), the
+    rules), the per-layer copy of its layers the sampler decodes with (`sampling.layer_weights`: one
+    parameter set's LoRA folded in; no per-row adapters), the
     page pool of `plan` (`marljax.matrix.engine_plan`: one pool per batch rank, its pages in the
     cell's dtype), the TPU kernel path of the paged attention. Decode: `plan.slots` rows per rank, each
     with a page table as wide as the cell's longest sequence, `steps` steps per chunk. Prefill: one prompt
@@ -440,9 +441,10 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
     of the pool read once per step, an upper bound). What the run holds beside the engine's arguments
     — the base's stacked layers (the decode reads the per-layer copy; XLA would drop them as unread)
     and `held_bytes` per chip (the caller's: LoRA sets and Adam moments, as one array) — stays in both
-    programs as live arguments (kept, the held array donated and returned): XLA's TPU compiler spends whatever HBM it is not told about on
-    temporaries (measured: cutting the pool by 1.6 GiB raised the decode chunk's temp by 1.55 GiB), so
-    the fit is only checked with everything resident inside the program."""
+    programs as live arguments (kept, the held array donated and returned): XLA's TPU compiler spends
+    whatever HBM it is not told about on temporaries (measured: cutting the pool by 1.6 GiB raised the
+    decode chunk's temp by 1.55 GiB), so the fit is only checked with everything resident inside the
+    program."""
     devices = topology_devices(accelerator)
     import jax
     import jax.numpy as jnp
@@ -497,11 +499,11 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
         decode_traced = holding(_decode_chunk, steps=steps, stops=(0,), attention="kernel", **sampling).trace(
             held, state_abs, layer_abs, pool, arr(jnp.int32, ("batch", None), rows, width),
             *(arr(jnp.int32, ("batch",), rows) for _ in range(3)), arr(jnp.bool_, ("batch",), rows),
-            arr(jnp.uint32, ("batch", None), rows, 2), arr(jnp.int32, ()))
+            arr(jnp.uint32, ("batch", None), rows, 2), arr(jnp.int32, ()), None)
         decode = _program(*_compile(decode_traced))
         prefill_traced = holding(_prefill, attention="kernel").trace(
-            held, state_abs, layer_abs, pool, arr(jnp.int32, ("batch", None), n, T),
-            arr(jnp.int32, ("batch", None), n, -(-T // plan.page_size)), arr(jnp.int32, ("batch",), n))
+            held, state_abs, layer_abs, pool, arr(jnp.int32, ("batch", None), n, T), arr(jnp.int32, ("batch",), n),
+            arr(jnp.int32, ("batch", None), n, -(-T // plan.page_size)), arr(jnp.int32, ("batch",), n), None)
         prefill = _program(*_compile(prefill_traced))
     compile_s = time.perf_counter() - t0
     return CompiledEngine(
@@ -542,7 +544,8 @@ def engine_table(results: list[CompiledEngine]) -> str:
              f"{results[0].plan.page_size if results else 0} positions), TPU paged-attention kernel; p.: "
              f"prefill of one longest prompt per rank; d.: a decode chunk over every slot (args include held: "
              f"what the run holds beside the engine, the base's stacked layers, LoRA sets, Adam moments); "
-             f"total: the larger program; fit_pages: pages per rank that fit; step_*: one decode step per chip, roofline "
+             f"total: the larger program; fit_pages: pages per rank that fit; step_*: one decode step per chip, "
+             f"roofline "
              f"max(GFLOP / peak, GB / HBM bandwidth) (a model, not a measurement)",
              head]
     for c in results:

@@ -26,9 +26,10 @@ The estimates are an explicit model, per chip, stated so they can be checked:
           `engine_plan`): continuous batching, so decode steps follow the real tokens — every response
           has `--response-fill` × the cap (1: 5,120 math / 2,048 code, the upper bound), a step
           advances every slot in flight and reads their KV pages, a finished sequence's slot is refilled
-          at once, and episodes advance on their own (no stage barrier): steps = max(tokens / slots,
-          the stages of one episode × its response length); prefill once per distinct prompt (a
-          GRPO group's rollouts and a stage's calls share the problem's prompt). Every stage runs its
+          at once: each stage takes max(its tokens / the sequences in flight, one response) steps, the
+          stages one after another (an upper bound for episodes that advance on their own); prefill
+          once per distinct prompt (a GRPO group's rollouts and a stage's calls share the problem's
+          prompt). The engine is priced with one pool per batch rank (`engine_plan`). Every stage runs its
           full iteration count with prompts at most the paper's cap; train FLOPs = 8·N·tokens
           (forward, recompute, backward to activations; LoRA has no base weight gradient) on the
           padded rows `rl.step.pack` builds, at 40% of peak. Upper bounds at fill 1.
@@ -49,6 +50,7 @@ from marljax.config import Config, resolve, to_dict
 from marljax.models.decoder import LINEAR_AXES, ModelConfig
 from marljax.models.logprobs import LOGPROB_CHUNK
 from marljax.models.presets import PRESETS
+from marljax.policy_sampler import PAGE_SIZE
 from marljax.rl.policy_map import from_config
 from marljax.shapes import bucket, bucket_rows, length_bucket
 from marljax.sharding import MeshConfig
@@ -75,8 +77,6 @@ STRATEGY_TOKENS = 128
 # Model efficiencies and budgets (see the module docstring).
 MFU, HBM_EFFICIENCY, HBM_USABLE, BASE_BUDGET = 0.4, 0.6, 0.9, 0.25
 LORA_BYTES = 4  # adapters, their gradients and Adam moments are float32
-# The rollout engine's defaults (`marljax.engine.Engine`): positions per KV page, decode steps per chunk.
-ENGINE_PAGE_SIZE, ENGINE_CHUNK_STEPS = 16, 16
 RESPONSE_FILL = 1.0  # mean response length / the cap: 1 prices every response at the cap (upper bound)
 
 
@@ -311,7 +311,7 @@ def engine_plan(cell: Cell, cfg: ModelConfig, acc: Accelerator, mesh: tuple[int,
     its pool holds one sequence of the longest stage."""
     data, fsdp, tensor = mesh
     ranks = data * fsdp
-    ps = ENGINE_PAGE_SIZE
+    ps = PAGE_SIZE  # the sampler's engine pages
     pages = 1 + max_cache_tokens // ranks // ps
     in_flight = PROBLEMS * ROLLOUTS * max(s.calls for s in cell.stages())
     shortest = min(s.prompt for s in cell.stages()) + cell.max_response
@@ -422,15 +422,17 @@ def estimate(cell: Cell, acc: Accelerator, steps: int = STEPS, response_fill: fl
 # ---- configs and plan -----------------------------------------------------------------------------
 def cell_config(est: Estimate, acc: Accelerator, data_root: str = "data") -> Config:
     """The run config of a cell: the paper's settings (the config's defaults, resolved for the cell's task
-    and workflow) with the cell's choices, the estimate's mesh and KV cap, and micro-batches of at most one
-    longest row per data-parallel chip."""
+    and workflow) with the cell's choices, the estimate's mesh, the rollout engine of `engine_plan` as
+    the engine runs today (one page pool, replicated on every chip: one rank's pages and slots), and
+    micro-batches of at most one longest row per data-parallel chip."""
     c, cfg = est.cell, Config()
     cfg.model, cfg.dtype, cfg.policy, cfg.steps = c.model, acc.dtype, c.policy, est.steps
     cfg.run_dir = f"runs/matrix/{c.name}"
     cfg.task.name = TASKS[c.task]
     cfg.task.path = f"{data_root}/{'dapo-math-17k' if c.task == 'math' else 'deepcoder'}"
     cfg.workflow.name = c.workflow
-    cfg.sampling.max_cache_tokens = est.max_cache_tokens
+    cfg.sampling.max_cache_tokens = (est.engine.pages - 1) * est.engine.page_size
+    cfg.sampling.num_slots = max(1, est.engine.slots)
     cfg.rl.micro_batch_tokens = longest_row(c)
     data, fsdp, tensor = est.mesh
     cfg.mesh = MeshConfig(data=data, fsdp=fsdp, tensor=tensor, rules="auto", lora="sharded")
