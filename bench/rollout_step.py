@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import statistics
 import time
 
@@ -63,6 +64,7 @@ def main():
         wall = time.perf_counter() - t
         return wall, sum(len(c.response_ids) for c in ro.calls), np.mean([e.reward for e in ro.episodes])
 
+    load_start = os.getloadavg()[0]
     first = {name: one(name, 1000)[0] for name in ("before", "after")}
     walls = {"before": [], "after": []}
     tokens = {"before": [], "after": []}
@@ -77,7 +79,8 @@ def main():
     for wf in ("voting", "eval_opt"):
         workflow = dataclasses.replace(run.workflow, n_votes=3) if wf == "voting" else EvalOpt(worked_example=True)
         sampler = run.policy.rollout_sampler(run.cfg, params, T)
-        ro = rollout(workflow, problems, sampler, run.policy.codec, run.route, n_rollouts=run.cfg.rl.rollouts, seed=0)
+        route = {role: run.route.get(role, "shared") for role in workflow.roles}  # the shared set
+        ro = rollout(workflow, problems, sampler, run.policy.codec, route, n_rollouts=run.cfg.rl.rollouts, seed=0)
         stats = [s.stats for s in sampler.stream.streams.values()]
         prefill[wf] = (len(ro.calls), sum(len(c.prompt_ids) for c in ro.calls), sum(x.prefill_tokens for x in stats),
                        sum(x.cached_tokens for x in stats))
@@ -85,7 +88,8 @@ def main():
     se = statistics.stdev(ratio) / math.sqrt(len(ratio)) if len(ratio) > 1 else float("nan")
     lines = ["## Voting rollout step of the default run (CPU)", "",
              f"`nice python bench/rollout_step.py --repeats {args.repeats}` on {time.strftime('%Y-%m-%d %H:%M')}, "
-             f"{machine()}, jax {jax.__version__}. configs/default.yaml: SmolLM2-135M-Instruct, Voting (3 voters "
+             f"{machine()}, jax {jax.__version__}; load average {load_start:.1f} at the start, "
+             f"{os.getloadavg()[0]:.1f} at the end (other jobs shared the machine). configs/default.yaml: SmolLM2-135M-Instruct, Voting (3 voters "
              f"+ aggregator), shared LoRA on the last 4 layers (B perturbed), {len(problems)} problems × "
              f"{run.cfg.rl.rollouts} rollouts = {len(problems) * run.cfg.rl.rollouts * 4} role calls, T = {T}, "
              f"max {run.cfg.sampling.max_new_tokens} new tokens. before = lockstep `rollout` over the static "
