@@ -214,6 +214,23 @@ def _compile(traced) -> tuple[tuple[int, int, int, int], dict, str, int]:
             mem.temp_size_in_bytes), dict(cost or {}), "", mem.peak_memory_in_bytes
 
 
+def _abstract_model(cfg, devices, layers: int | None):
+    """(model config, mesh, rules, the `Decoder` as abstract shapes) of a cell's config on `devices`;
+    `layers` overrides the layer count (tests)."""
+    from flax import nnx
+
+    from marljax import sharding
+    from marljax.models.decoder import Decoder
+    from marljax.models.presets import PRESETS
+
+    model_cfg = dataclasses.replace(PRESETS[cfg.model], dtype=cfg.dtype)
+    if layers is not None:
+        model_cfg = dataclasses.replace(model_cfg, num_layers=layers)
+    mesh = sharding.make_mesh(cfg.mesh, devices=devices)
+    rules = sharding.get_rules(cfg.mesh, mesh)
+    return model_cfg, mesh, rules, nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
+
+
 def compile_cell(cell, cfg, accelerator: str, acc, *, rows_per_chip: int = 1, attention: str = "splash",
                  logprob_chunk: int | None = None, layers: int | None = None,
                  length: int | None = None) -> Compiled:
@@ -229,8 +246,6 @@ def compile_cell(cell, cfg, accelerator: str, acc, *, rows_per_chip: int = 1, at
     from flax import nnx
 
     from marljax import sharding
-    from marljax.models.decoder import Decoder
-    from marljax.models.presets import PRESETS
     from marljax.config import resolve
     from marljax.models.lora import init_lora
     from marljax.rl import policy_map as pm
@@ -238,13 +253,8 @@ def compile_cell(cell, cfg, accelerator: str, acc, *, rows_per_chip: int = 1, at
     from marljax.rl.step import RoleBatch, Trainer
     from marljax.shapes import bucket, length_bucket
 
-    model_cfg = dataclasses.replace(PRESETS[cfg.model], dtype=cfg.dtype)
-    if layers is not None:
-        model_cfg = dataclasses.replace(model_cfg, num_layers=layers)
-    mesh = sharding.make_mesh(cfg.mesh, devices=devices)
-    rules = sharding.get_rules(cfg.mesh, mesh)
+    model_cfg, mesh, rules, model = _abstract_model(cfg, devices, layers)
     data, fsdp, tensor = (mesh.shape[a] for a in sharding.MESH_AXES)
-    model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
 
     # The step as train.Run builds it for this config, with the attention and log-prob chunk asked for.
     cfg = resolve(cfg)
@@ -453,17 +463,11 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
     from marljax import sharding
     from marljax.engine.engine import _decode_chunk, _prefill
     from marljax.engine.kv_pages import pool_shape
-    from marljax.models.decoder import Decoder
     from marljax.models.presets import PRESETS
     from marljax.shapes import bucket
 
-    model_cfg = dataclasses.replace(PRESETS[cfg.model], dtype=cfg.dtype)
-    if layers is not None:
-        model_cfg = dataclasses.replace(model_cfg, num_layers=layers)
-    mesh = sharding.make_mesh(cfg.mesh, devices=devices)
-    rules = sharding.get_rules(cfg.mesh, mesh)
+    model_cfg, mesh, rules, model = _abstract_model(cfg, devices, layers)
     dims = tuple(mesh.shape[a] for a in sharding.MESH_AXES)
-    model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     state_sh = sharding.param_shardings(state, mesh, rules)
     state_abs = _abstract(state, state_sh)
