@@ -59,7 +59,10 @@ def _voting_update(n_voters, same_role_scale, episodes=4):
     before = jax.tree.map(jnp.array, params)
     state, m = train_batch(tr, tr.init_state(params), voters + agg, LR)
     new, m = state.params, m.record()
-    return _delta(new["gen"], before["gen"]), m["set/gen/opt_steps"], m["set/agg/opt_steps"]
+    delta = _delta(new["gen"], before["gen"])
+    assert m["set/gen/step_delta"] == pytest.approx(delta, rel=1e-5)
+    assert m["set/agg/step_delta"] == pytest.approx(_delta(new["agg"], before["agg"]), rel=1e-5)
+    return delta, m["set/gen/opt_steps"], m["set/agg/opt_steps"]
 
 
 def test_same_role_amplification_and_its_mitigation():

@@ -527,6 +527,9 @@ def train_batch(trainer: Trainer, state: TrainState, samples: list[Sample], lr: 
     recompute_old = len(packed) > 1
     if recompute_old:  # old log-probs under the parameters before the first update (PPO semantics)
         packed = [_with_old_logprobs(trainer, state.params, mb) for mb in packed]
+    # a set stepping more than once keeps a copy of its parameters for its step delta (updates donate them)
+    steps_of = collections.Counter(s for mb in mbs for s in {cfg.set_of(r) for r in mb})
+    before = {s: jax.tree.map(jnp.copy, state.params[s]) for s, k in steps_of.items() if k > 1}
     per_mb = []
     for mb in packed:
         if budget > 0:
@@ -535,4 +538,12 @@ def train_batch(trainer: Trainer, state: TrainState, samples: list[Sample], lr: 
             state, m = trainer.update(state, {r: bs[0] for r, bs in mb.items()}, jnp.float32(lr),
                                       recompute_old=recompute_old)
         per_mb.append(jax.device_get(m))
-    return state.replace(step=state.step + 1), average(per_mb, cfg.sets)
+    out = average(per_mb, cfg.sets)
+    out.step_delta = {s: float(_distance(state.params[s], before[s])) if s in before else  # else ≤ 1 update
+                      sum(float(m.sets[s].update_norm) for m in per_mb if s in m.sets) for s in cfg.sets}
+    return state.replace(step=state.step + 1), out
+
+
+@jax.jit
+def _distance(a, b) -> jax.Array:
+    return optax.tree.norm(jax.tree.map(jnp.subtract, a, b))

@@ -59,10 +59,11 @@ class BatchMetrics:
     sets: dict[str, SetMetrics]
     cos: dict[tuple[str, str], float]
     opt_steps: dict[str, int]  # optimizer steps applied per set (every set of the policy, 0 if none)
+    step_delta: dict[str, float] = dataclasses.field(default_factory=dict)  # ‖θ_after − θ_before‖ per set
 
     def record(self) -> dict:
         """The flat metrics record: `role/<r>/<name>`, `set/<s>/<name>`, `cos/<a>/<b>` in sorted order,
-        then `set/<s>/opt_steps` per set."""
+        then `set/<s>/opt_steps` and `set/<s>/step_delta` per set."""
         flat = {}
         for r, m in self.roles.items():
             fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name != "terms"}
@@ -73,7 +74,8 @@ class BatchMetrics:
             flat.update({f"set/{s}/{f.name}": getattr(m, f.name) for f in dataclasses.fields(m)
                          if f.name != "applied"})
         flat.update({f"cos/{a}/{b}": v for (a, b), v in self.cos.items()})
-        return {**dict(sorted(flat.items())), **{f"set/{s}/opt_steps": n for s, n in self.opt_steps.items()}}
+        return {**dict(sorted(flat.items())), **{f"set/{s}/opt_steps": n for s, n in self.opt_steps.items()},
+                **{f"set/{s}/step_delta": d for s, d in self.step_delta.items()}}
 
 
 def _mean(values) -> float:
