@@ -317,8 +317,8 @@ def orch_reply(plan):
         if role == "orchestrator":
             return plan
         if role == "worker":
-            strategy = re.search(r"Strategy: (.*)", msgs[0]["content"])
-            return f"via {strategy.group(1) if strategy else 'nothing'}: \\boxed{{42}}"
+            strategy = re.findall(r"Strategy: (.*)", msgs[0]["content"])  # the last: after any worked example
+            return f"via {strategy[-1] if strategy else 'nothing'}: \\boxed{{42}}"
         return "all agree: \\boxed{42}"
     return reply
 
@@ -475,18 +475,23 @@ def test_every_prompt_is_fully_formatted(kind, worked_example):
         assert "Add {x} and 2." in out.calls[0].messages[0]["content"]
 
 
-def test_worked_example_changes_only_the_solve_prompt():
-    """`worked_example` shows one solved example (answer format included) in every solve prompt; the
-    supervisory prompts are the paper's."""
-    def prompts(worked_example):
-        out, _ = run(Voting(worked_example=worked_example), voting_reply("\\boxed{2}"))
+def test_worked_example_changes_only_the_solve_and_worker_prompts():
+    """`worked_example` shows one solved example (answer format included) in every solve and worker
+    prompt (a worker's keeps its strategy); the supervisory prompts are the paper's."""
+    def prompts(workflow, reply):
+        out, _ = run(workflow, reply)
         return [(c.role, c.messages[0]["content"]) for c in out.calls]
-    plain, shot = prompts(False), prompts(True)
-    for (role, a), (_, b) in zip(plain, shot):
-        if role == "generator":
-            assert "Example:" in b and "\\boxed{7}" in b and "What is 0 + 42" in b and "Example:" not in a
-        else:
-            assert a == b
+    plan = "STRATEGY 1: count up\nSTRATEGY 2: add the tens"
+    for make, reply, answering in ((Voting, voting_reply("\\boxed{2}"), "generator"),
+                                   (OrchWorkers, orch_reply(plan), "worker")):
+        plain, shot = prompts(make(worked_example=False), reply), prompts(make(worked_example=True), reply)
+        assert {r for r, _ in plain} >= {answering}
+        for (role, a), (_, b) in zip(plain, shot):
+            if role == answering:
+                assert "Example:" in b and "\\boxed{7}" in b and "What is 0 + 42" in b and "Example:" not in a
+                assert ("Strategy: count up" in b) == ("Strategy: count up" in a)
+            else:
+                assert a == b
     from marljax.config import Config
     cfg = Config()
     cfg.workflow.worked_example = True

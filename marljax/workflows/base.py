@@ -214,8 +214,8 @@ class Workflow:
     groups under the paper preset) and `max_prompt_tokens` (the paper's prompt cap by problem kind);
     implement `episode` and `sampler_stages`, and `same_role_counts` when a role runs in parallel; and
     register with `workflows.registry.register`. Its options are its dataclass fields (config keys
-    `workflow.<field>`). `worked_example`: the solve prompt shows one worked example of the answer format
-    (for small models; the paper's prompts are zero-shot).
+    `workflow.<field>`). `worked_example`: the solve and worker prompts show one worked example of the
+    answer format (for small models; the paper's prompts are zero-shot).
     """
 
     worked_example: bool = False

@@ -3,8 +3,9 @@
 Templates are `str.format` strings (literal braces doubled). Placeholders: `{problem}`; `{solutions}`
 (see `format_solutions`) and `{n}` for the aggregator; `{max_subtasks}` for the orchestrator;
 `{strategy}` for a worker. `evaluate` and `refine` are plain text, used verbatim as the last user turn
-of Eval-Opt's shared chat. `solve_shot` is `solve` with one worked example of the answer format, for small
-models that do not follow the format zero-shot (`workflow.worked_example`; not the paper's setting).
+of Eval-Opt's shared chat. `solve_shot` and `work_shot` are `solve` and `work` with one worked example of
+the answer format, for small models that do not follow the format zero-shot (`workflow.worked_example`;
+not the paper's setting).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class PromptSet:
     work: str  # worker with an assigned strategy
     synthesize: str  # synthesizer: final answer
     solve_shot: str  # `solve` with one worked example (workflow.worked_example)
+    work_shot: str  # `work` with one worked example (workflow.worked_example)
 
 
 MATH = PromptSet(
@@ -71,6 +73,14 @@ MATH = PromptSet(
         "Solve the math problem and write the final answer inside \\boxed{{}}.\n\nExample:\n"
         "Problem: Mia has 3 pens. Then Mia gets 4 more pens. How many pens does Mia have now?\n"
         "Solution: Mia has 3 + 4 = 7 pens. The answer is \\boxed{{7}}.\n\nProblem: {problem}\nSolution:"
+    ),
+    work_shot=(
+        "Solve the math problem using the strategy you are given, and write the final answer inside "
+        "\\boxed{{}}.\n\nExample:\n"
+        "Problem: Mia has 3 pens. Then Mia gets 4 more pens. How many pens does Mia have now?\n"
+        "Strategy: Add the pens she gets to the pens she has.\n"
+        "Solution: Mia has 3 + 4 = 7 pens. The answer is \\boxed{{7}}.\n\n"
+        "Problem: {problem}\nStrategy: {strategy}\nSolution:"
     ),
 )
 
@@ -125,17 +135,25 @@ CODE = PromptSet(
         "sum.\nSolution:\n```python\na, b = map(int, input().split())\nprint(a + b)\n```\n\n"
         "Problem:\n{problem}\nSolution:"
     ),
+    work_shot=(
+        "Solve the programming problem in Python using the strategy you are given, and give one complete, "
+        "runnable program in a single ```python code block.\n\nExample:\nProblem: Read two integers "
+        "from one line and print their sum.\nStrategy: Parse both numbers and add them.\nSolution:\n"
+        "```python\na, b = map(int, input().split())\nprint(a + b)\n```\n\n"
+        "Problem:\n{problem}\nStrategy: {strategy}\nSolution:"
+    ),
 )
 
 PROMPTS = {"math": MATH, "code": CODE}
 
 
 def prompt_set(kind: str, worked_example: bool = False) -> PromptSet:
-    """The prompt set for a problem kind ("math" | "code"); with `worked_example`, `solve` shows one."""
+    """The prompt set for a problem kind ("math" | "code"); with `worked_example`, `solve` and `work`
+    show one."""
     if kind not in PROMPTS:
         raise ValueError(f"No prompt set for problem kind {kind!r}; known: {sorted(PROMPTS)}")
     prompts = PROMPTS[kind]
-    return dataclasses.replace(prompts, solve=prompts.solve_shot) if worked_example else prompts
+    return dataclasses.replace(prompts, solve=prompts.solve_shot, work=prompts.work_shot) if worked_example else prompts
 
 
 def format_solutions(texts: Sequence[str], strategies: Sequence[str | None] | None = None) -> str:
