@@ -444,8 +444,9 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
     parameter set's LoRA folded in; no per-row adapters), the
     page pool of `plan` (`marljax.matrix.engine_plan`: one pool per batch rank, its pages in the
     cell's dtype), the TPU kernel path of the paged attention. Decode: `plan.slots` rows per rank, each
-    with a page table as wide as the cell's longest sequence, `steps` steps per chunk. Prefill: one prompt
-    per rank at the cell's longest prompt. Per chip: each program's bytes (arguments + outputs + temp −
+    with a page table as wide as the cell's longest sequence, `steps` steps per chunk. Prefill: one row
+    per rank, one chunk (`plan.prefill_chunk` positions) of the cell's longest prompt attending all of
+    that prompt's pages. Per chip: each program's bytes (arguments + outputs + temp −
     aliased: the donated pool aliases its output), and one decode step's FLOPs and bytes for a roofline
     (XLA counts the chunk's while-loop body, one step, once; the kernel's reads are added as every page
     of the pool read once per step, an upper bound). What the run holds beside the engine's arguments
@@ -484,7 +485,7 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
     pool = [{"kv": arr(model_cfg.jnp_dtype, ("batch", None, None, "act_kv_heads", "head_dim"), *shape)}
             for _ in range(model_cfg.num_layers)]
     rows, width = plan.ranks * plan.slots, bucket(-(-plan.context // plan.page_size))
-    n, T = plan.ranks, plan.prompt
+    n, T = plan.ranks, plan.prefill_chunk  # the widest chunk of the longest prompt, its pages attended
     sampling = dict(temperature=float(cfg.sampling.temperature), top_p=float(cfg.sampling.top_p),
                     top_k=int(cfg.sampling.top_k))
     pool_chip = plan.pool_bytes * (model_cfg.num_layers / PRESETS[cfg.model].num_layers)
@@ -507,7 +508,8 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
         decode = _program(*_compile(decode_traced))
         prefill_traced = holding(_prefill, attention="kernel").trace(
             held, state_abs, layer_abs, pool, arr(jnp.int32, ("batch", None), n, T), arr(jnp.int32, ("batch",), n),
-            arr(jnp.int32, ("batch", None), n, -(-T // plan.page_size)), arr(jnp.int32, ("batch",), n), None)
+            arr(jnp.int32, ("batch", None), n, bucket(-(-plan.prompt // plan.page_size))),
+            arr(jnp.int32, ("batch",), n), None)
         prefill = _program(*_compile(prefill_traced))
     compile_s = time.perf_counter() - t0
     return CompiledEngine(
@@ -546,7 +548,8 @@ def engine_table(results: list[CompiledEngine]) -> str:
             f" d.total   held  total    hbm fits fit_pages  step_GF  step_GB  step_ms  compile_s")
     lines = [f"# compiled rollout engine per chip (GiB): one pool per batch rank (pages of "
              f"{results[0].plan.page_size if results else 0} positions), TPU paged-attention kernel; p.: "
-             f"prefill of one longest prompt per rank; d.: a decode chunk over every slot (args include held: "
+             f"prefill of one chunk of the longest prompt per rank; d.: a decode chunk over every slot (args "
+             f"include held: "
              f"what the run holds beside the engine, the base's stacked layers, LoRA sets, Adam moments); "
              f"total: the larger program; fit_pages: pages per rank that fit; step_*: one decode step per chip, "
              f"roofline "

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from marljax.engine.engine import PREFILL_CHUNK_MIN
 from marljax.models.attention import ATTENTIONS
 from marljax.models.decoder import REMAT
 from marljax.models.lora import ALL_LINEAR, LoRAConfig
@@ -147,7 +148,13 @@ class SamplingSection:
     top_k: int = SamplingParams.top_k  # 0: off
     max_cache_tokens: int = 0  # KV positions the rollout engine's page pool holds (0: grows as needed)
     num_slots: int = 64  # sequences the rollout engine decodes at once
+    prefill_tokens: int = 0  # positions one prefill call of the engine computes (chunked prefill); 0: a whole prompt
     mix_sets: bool = False  # LoRA: decode every parameter set in one batch (per-row adapters, no merged copies)
+
+    def check(self) -> None:
+        if self.prefill_tokens and self.prefill_tokens < PREFILL_CHUNK_MIN:
+            raise ConfigError(f"sampling.prefill_tokens={self.prefill_tokens}: a prefill call computes at least "
+                              f"{PREFILL_CHUNK_MIN} positions; give 0 (whole prompts) or ≥ {PREFILL_CHUNK_MIN}.")
 
 
 @dataclasses.dataclass
@@ -328,6 +335,7 @@ def validate(cfg: Config) -> Config:
     check); else a ConfigError naming the key and the allowed values. Loads nothing."""
     workflow = cfg.workflow.check()
     cfg.task.check()
+    cfg.sampling.check()
     one_of("dtype", cfg.dtype, DTYPES)
     if cfg.param_dtype is not None:
         one_of("param_dtype", cfg.param_dtype, DTYPES)

@@ -47,6 +47,7 @@ import sys
 import yaml
 
 from marljax.config import Config, resolve, to_dict
+from marljax.engine.engine import PREFILL_CHUNK_MIN, prefill_chunk
 from marljax.models.decoder import LINEAR_AXES, ModelConfig
 from marljax.models.logprobs import LOGPROB_CHUNK
 from marljax.models.presets import PRESETS
@@ -78,6 +79,7 @@ STRATEGY_TOKENS = 128
 MFU, HBM_EFFICIENCY, HBM_USABLE, BASE_BUDGET = 0.4, 0.6, 0.9, 0.25
 LORA_BYTES = 4  # adapters, their gradients and Adam moments are float32
 RESPONSE_FILL = 1.0  # mean response length / the cap: 1 prices every response at the cap (upper bound)
+PREFILL_TOKENS_PER_RANK = 8192  # positions one rank's prefill call computes (`sampling.prefill_tokens`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +294,7 @@ class EnginePlan:
     pages: int  # pages of each rank's pool, the null page included
     page_size: int
     prompt: int  # the longest prompt, padded as the engine pads a prefill (`bucket(·, 16)`)
+    prefill_chunk: int  # positions of that prompt one prefill call computes (chunked prefill)
     context: int  # the longest sequence: the longest stage prompt + the response cap
     in_flight: int  # samples the rollout asks for at once, all ranks
     pool_bytes: float  # KV pool per chip
@@ -317,8 +320,9 @@ def engine_plan(cell: Cell, cfg: ModelConfig, acc: Accelerator, mesh: tuple[int,
     shortest = min(s.prompt for s in cell.stages()) + cell.max_response
     slots = min(-(-in_flight // ranks), (pages - 1) // -(-shortest // ps))
     kv_tensor = tensor if cfg.num_kv_heads % tensor == 0 else 1
-    return EnginePlan(ranks=ranks, slots=slots, pages=pages, page_size=ps,
-                      prompt=bucket(max(s.prompt for s in cell.stages()), 16),
+    prompt = bucket(max(s.prompt for s in cell.stages()), PREFILL_CHUNK_MIN)
+    return EnginePlan(ranks=ranks, slots=slots, pages=pages, page_size=ps, prompt=prompt,
+                      prefill_chunk=prefill_chunk(PREFILL_TOKENS_PER_RANK * ranks, ranks, prompt),
                       context=max(s.prompt for s in cell.stages()) + cell.max_response, in_flight=in_flight,
                       pool_bytes=pages * ps * kv_bytes_per_token(cfg, acc.dtype) / kv_tensor)
 
@@ -433,6 +437,7 @@ def cell_config(est: Estimate, acc: Accelerator, data_root: str = "data") -> Con
     cfg.workflow.name = c.workflow
     cfg.sampling.max_cache_tokens = (est.engine.pages - 1) * est.engine.page_size
     cfg.sampling.num_slots = max(1, est.engine.slots)
+    cfg.sampling.prefill_tokens = PREFILL_TOKENS_PER_RANK * est.engine.ranks
     cfg.rl.micro_batch_tokens = longest_row(c)
     data, fsdp, tensor = est.mesh
     cfg.mesh = MeshConfig(data=data, fsdp=fsdp, tensor=tensor, rules="auto", lora="sharded")

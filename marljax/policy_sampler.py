@@ -34,6 +34,7 @@ class SamplerSettings:
     stop_token_ids: tuple[int, ...]
     max_cache_tokens: int  # KV positions the engine's page pool holds; 0: grows as needed
     num_slots: int = 64  # sequences decoded at once
+    prefill_tokens: int = 0  # positions per prefill call (chunked prefill); 0: whole prompts
     mix_sets: bool = False  # LoRA sets decode in one batch, each row applying its own adapter
 
     def params(self, temperature: float, seed: int = 0) -> SamplingParams:
@@ -66,7 +67,7 @@ class PolicySampler:
                 nnx.graphdef(self.model), self.params_by_set[set_name])
             pages = self.settings.max_cache_tokens // PAGE_SIZE
             self.engines[key] = Engine(model, num_slots=self.settings.num_slots, page_size=PAGE_SIZE,
-                                       num_pages=pages or None)
+                                       num_pages=pages or None, prefill_tokens=self.settings.prefill_tokens or None)
         return self.engines[key]
 
     def sample(self, set_name: str, prompts: list[list[int]], seed: int, temperature: float) -> SampleOutput:

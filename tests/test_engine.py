@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from marljax.engine import Engine
+from marljax.engine.engine import prefill_chunk
 from marljax.engine.kv_pages import PagePool
 from marljax.engine.paged_attention import (gather_attention, interleave, kernel_cache_attention,
                                             resolve_paged_attention, write_pages)
@@ -326,3 +327,32 @@ def test_prefix_cache_reuses_an_earlier_prompts_pages(model):
     # the second prompt evicted the least recently used of `first`'s cached pages (leaves first): `later`
     # finds only the blocks left, and the outputs do not change
     assert out.tokens == ref.tokens and tight.stats.cached_tokens < 12 and tight.stats.peak_pages <= 7
+
+
+def test_chunked_prefill_equals_one_call(model):
+    """`prefill_tokens`: prompts prefilled 16 positions per call (the 35-token prompt in 3 chunks, each
+    attending the pages the chunks before it wrote) give the static sampler's greedy tokens and logprobs;
+    so does a prompt prefilled in 2 chunks after 12 cached positions of an earlier prompt."""
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0)
+    ref = generate(model, PROMPTS, sp)
+    engine = Engine(model, num_slots=6, page_size=4, chunk_steps=8, prefill_tokens=16)
+    assert (prefill_chunk(16, 8, 64), prefill_chunk(256, 4, 64), prefill_chunk(256, 1, 1024), prefill_chunk(None, 2, 64)) \
+        == (16, 64, 256, 64)
+    out = engine.generate(PROMPTS, sp)
+    assert out.tokens == ref.tokens
+    for a, b in zip(out.logprobs, ref.logprobs):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert engine.stats.prefill_calls == 3  # one admission round, the longest prompt in 3 chunks
+    first = list(range(30, 45))
+    later = first[:12] + list(range(60, 80))  # 12 cached positions, then 20 to prefill: 2 chunks
+    run = engine.stream(sp)
+    for prompt in (first, later):
+        r = run.submit(prompt, np.zeros(2, np.uint32))
+        while not run.idle:
+            run.step()
+    assert run.stats.cached_tokens == 12 and run.stats.prefill_calls == 1 + 2
+    ref_later = generate(model, [later], sp)
+    assert run.result(r)[0] == ref_later.tokens[0]
+    np.testing.assert_allclose(run.result(r)[1], ref_later.logprobs[0], atol=1e-5)
+    with pytest.raises(ValueError, match="prefill_tokens=8"):
+        Engine(model, prefill_tokens=8)

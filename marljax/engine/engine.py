@@ -13,7 +13,10 @@ Shapes are static per chunk and bucketed to powers of two: prefill rows and prom
 rows (the running sequences, at most `num_slots`: the tail of a call runs at a small batch), the
 page-table width in pages (attention reads the pages in flight, rounded up) and the pool; a run
 compiles a handful of times. The pool is `num_pages` pages, or (None) grows by powers of two to what
-the admitted sequences may need at worst and is kept for the engine's next stream.
+the admitted sequences may need at worst and is kept for the engine's next stream. `prefill_tokens`
+bounds one prefill call to rows × chunk ≤ that many positions (chunked prefill): long prompts are
+prefilled chunk after chunk, each attending the pages the chunks before it wrote, so a 30k-token
+Eval-Opt history costs the activations of one chunk, not of the whole prompt.
 
 Randomness is per request, not per batch: a request draws its t-th token with fold_in(key, t), its own
 key whatever else is in flight (`generate`: request i's key is fold_in(key(seed), i)), so outputs do not
@@ -41,6 +44,8 @@ from marljax.models.decoder import Decoder
 from marljax.models.lora import stack_adapters
 from marljax.shapes import bucket
 
+PREFILL_CHUNK_MIN = 16  # positions: the shortest prefill call (prompt lengths bucket up from here)
+
 
 @dataclasses.dataclass
 class EngineStats:
@@ -48,7 +53,7 @@ class EngineStats:
 
     prefill_tokens: int = 0  # real prompt tokens prefilled (a shared prompt counts once; cached pages none)
     cached_tokens: int = 0  # prompt tokens whose pages came from the prefix cache
-    prefill_calls: int = 0
+    prefill_calls: int = 0  # jitted prefill calls (one per admission round, or per chunk of one)
     decode_chunks: int = 0
     decode_steps: int = 0  # row-steps run (a chunk's rows: the running sequences rounded up)
     generated_tokens: int = 0
@@ -63,13 +68,17 @@ class Engine:
     (`marljax.engine.paged_attention.PAGED_ATTENTIONS`; auto: the TPU kernel on a TPU)."""
 
     def __init__(self, model: Decoder, *, num_slots: int = 64, page_size: int = 16, num_pages: int | None = None,
-                 chunk_steps: int = 16, share_prefixes: bool = True, attention: str = "auto"):
+                 chunk_steps: int = 16, share_prefixes: bool = True, attention: str = "auto",
+                 prefill_tokens: int | None = None):
         if num_slots < 1 or page_size < 1 or chunk_steps < 1:
             raise ValueError(f"num_slots={num_slots}, page_size={page_size} and chunk_steps={chunk_steps} "
                              "must be ≥ 1.")
+        if prefill_tokens is not None and prefill_tokens < PREFILL_CHUNK_MIN:
+            raise ValueError(f"prefill_tokens={prefill_tokens}: a prefill call needs at least "
+                             f"{PREFILL_CHUNK_MIN} positions (None: one call per admission).")
         self.model, self.num_slots, self.page_size = model, num_slots, page_size
         self.num_pages, self.chunk_steps, self.share_prefixes = num_pages, chunk_steps, share_prefixes
-        self.attention = attention
+        self.attention, self.prefill_tokens = attention, prefill_tokens
         self.graphdef, self.state = nnx.split(model)
         self.stats = EngineStats()
         self._spare = None  # a pool no stream holds, reused by the next one
@@ -108,31 +117,43 @@ class Engine:
         return SampleOutput(tokens=s.tokens, logprobs=s.logprobs, finished=s.hit)
 
     def _prefill(self, pages, layers, prefixes, lora):
-        """Write each prompt's KV into its prefix's pages; the prompts' last hidden states [n, D] (in
-        `prefixes`' order). `lora`: the stream's stacked adapters, rows sorted by set."""
+        """Write each prompt's KV into its prefix's pages: the pool, the prompts' last hidden states [n, D]
+        (in `prefixes`' order) and the number of jitted calls. `lora`: the stream's stacked adapters, rows
+        sorted by set. Chunked prefill (`prefill_tokens`): one call per chunk of positions, each attending
+        the pages the chunks before it wrote, so a call holds rows × chunk tokens however long the prompts
+        are."""
         order = sorted(range(len(prefixes)), key=lambda i: prefixes[i].group)
         prefixes = [prefixes[i] for i in order]
         ps = self.page_size
         start = [p.cached * ps for p in prefixes]  # tokens found in the prefix cache: not prefilled again
-        n, T = bucket(len(prefixes)), bucket(max(len(p.prompt) - s for p, s in zip(prefixes, start)), 16)
+        todo = [len(p.prompt) - s for p, s in zip(prefixes, start)]
+        n, T = bucket(len(prefixes)), bucket(max(todo), PREFILL_CHUNK_MIN)
+        C = prefill_chunk(self.prefill_tokens, n, T)
         width = bucket(pages_for(max(start) + T, ps))
-        tokens_nt = np.zeros((n, T), np.int32)
-        start_n = np.zeros(n, np.int32)
         table_nw = np.zeros((n, width), np.int32)
-        last_n = np.zeros(n, np.int32)
-        for i, (p, s) in enumerate(zip(prefixes, start)):
-            tokens_nt[i, : len(p.prompt) - s] = p.prompt[s:]
-            start_n[i] = s
+        for i, p in enumerate(prefixes):
             own = p.full_pages + ([p.partial_page] if p.partial_page is not None else [])
             table_nw[i, : len(own)] = own
-            last_n[i] = len(p.prompt) - s - 1
         if lora is not None:
             num_sets = jax.tree.leaves(lora["lora"])[0].shape[0]
             groups_g = np.bincount([p.group for p in prefixes], minlength=num_sets).astype(np.int32)
             lora = {**lora, "lora_groups": groups_g}
-        pages, hidden_nd = _prefill(self.graphdef, self.state, layers, pages, tokens_nt, start_n, table_nw, last_n,
-                                    lora, attention=self.attention)
-        return pages, hidden_nd[np.argsort(order)]
+        hidden_nd, starts = None, range(0, max(todo), C)
+        for c0 in starts:
+            tokens_nc = np.zeros((n, C), np.int32)
+            start_n = np.zeros(n, np.int32)
+            last_n = np.zeros(n, np.int32)
+            ends_here = np.zeros(n, bool)  # rows whose last prompt token is in this chunk
+            for i, (p, s, m) in enumerate(zip(prefixes, start, todo)):
+                part = p.prompt[s + c0: s + min(m, c0 + C)]
+                tokens_nc[i, : len(part)] = part
+                start_n[i] = s + c0
+                ends_here[i] = c0 <= m - 1 < c0 + C
+                last_n[i] = min(max(m - 1 - c0, 0), C - 1)
+            pages, h_nd = _prefill(self.graphdef, self.state, layers, pages, tokens_nc, start_n, table_nw, last_n,
+                                   lora, attention=self.attention)
+            hidden_nd = h_nd if hidden_nd is None else jnp.where(ends_here[:, None], h_nd, hidden_nd)
+        return pages, hidden_nd[np.argsort(order)], len(starts)
 
     def _take_pool(self, num_pages: int) -> list[dict]:
         spare, self._spare = self._spare, None
@@ -202,11 +223,11 @@ class Stream:
             self._grow(sched.demand())
         adm = sched.admit()
         if adm.prefill:
-            self.pages, hidden_nd = e._prefill(self.pages, self.layers, adm.prefill, self.lora)
+            self.pages, hidden_nd, calls = e._prefill(self.pages, self.layers, adm.prefill, self.lora)
             for i, prefix in enumerate(adm.prefill):
                 prefix.hidden = hidden_nd[i]
             sched.prefilled(adm.prefill)
-            stats.prefill_calls += 1
+            stats.prefill_calls += calls
         if adm.copy_src:
             n = bucket(len(adm.copy_src))  # padded with null-page-onto-itself copies: few compiles
             pad = [NULL_PAGE] * (n - len(adm.copy_src))
@@ -253,6 +274,15 @@ class Stream:
         n = bucket(pages_needed + 1)
         self.pages = grow_pages(self.pages, n - self.pool.num_pages)
         self.pool.grow(n)
+
+
+def prefill_chunk(budget: int | None, rows: int, length: int) -> int:
+    """Positions per prefill call for `rows` prompt rows whose longest part to prefill is `length` (both
+    bucketed): all of it, or under a `budget` of positions per call the largest power of two
+    ≥ PREFILL_CHUNK_MIN with rows × chunk ≤ budget (PREFILL_CHUNK_MIN when even that is over)."""
+    if budget is None:
+        return length
+    return min(length, max(PREFILL_CHUNK_MIN, 1 << (budget // rows).bit_length() - 1))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3, static_argnames="attention")
