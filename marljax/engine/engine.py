@@ -9,11 +9,18 @@ params, layers=…)` is one stream run to the end; it returns what `marljax.samp
 (`SampleOutput`: per prompt its generated ids, stop token included if hit, their logprobs under the
 tempered distribution they were drawn from, and whether a stop hit).
 
-Shapes are static per chunk and bucketed to powers of two: prefill rows and prompt length, the decode
-rows (the running sequences, at most `num_slots`: the tail of a call runs at a small batch), the
-page-table width in pages (attention reads the pages in flight, rounded up) and the pool; a run
-compiles a handful of times. The pool is `num_pages` pages, or (None) grows by powers of two to what
-the admitted sequences may need at worst and is kept for the engine's next stream. `prefill_tokens`
+Data-parallel ranks (`ranks`, on a mesh: its batch ranks, `marljax.sharding.batch_ranks`): the slots
+are split evenly over the ranks and each rank has its own page pool (`init_pages(..., ranks)`: on a mesh
+every chip holds its own rank's pages only); a sequence's pages come from its slot's rank and prompts
+are prefilled per rank (`marljax.engine.scheduler`). Prefill and decode batches are laid out in rank
+blocks: R blocks of equal rows, block r's page tables indexing pool r (`paged_attention.flat_pages`).
+
+Shapes are static per chunk and bucketed to powers of two: prefill rows (per rank) and prompt length,
+the decode rows (per rank: the busiest rank's running sequences, at most its slots; the tail of a call
+runs at a small batch), the page-table width in pages (attention reads the pages in flight, rounded up)
+and the pool; a run compiles a handful of times. Each rank's pool is `num_pages` pages, or (None) all
+grow together by powers of two to what the busiest rank's admitted sequences may need at worst; the
+pools are kept for the engine's next stream. `prefill_tokens`
 bounds one prefill call to rows × chunk ≤ that many positions (chunked prefill): long prompts are
 prefilled chunk after chunk, each attending the pages the chunks before it wrote, so a 30k-token
 Eval-Opt history costs the activations of one chunk, not of the whole prompt.
@@ -57,28 +64,34 @@ class EngineStats:
     decode_chunks: int = 0
     decode_steps: int = 0  # row-steps run (a chunk's rows: the running sequences rounded up)
     generated_tokens: int = 0
-    peak_pages: int = 0  # most pages in use at once (the tokens in flight)
+    # the sum over ranks of each rank's most pages in use at once (the tokens in flight): an upper bound
+    # of the most in use at once over all ranks (the ranks peak at different times), exact with one rank
+    peak_pages: int = 0
     peak_kv_bytes: int = 0  # peak_pages × bytes of a page across layers
-    pool_bytes: int = 0  # the page pool as allocated
+    pool_bytes: int = 0  # the page pools of all ranks as allocated
 
 
 class Engine:
-    """See the module docstring. `num_pages` fixes the pool (requests wait for pages; a prompt that
-    cannot fit alone is refused); None lets it grow. `attention`: the paged-attention path
-    (`marljax.engine.paged_attention.PAGED_ATTENTIONS`; auto: the TPU kernel on a TPU)."""
+    """See the module docstring. `num_slots`: all ranks' slots (a multiple of `ranks`). `num_pages` fixes
+    each rank's pool (requests wait for pages; a prompt that cannot fit alone is refused); None lets
+    them grow. `attention`: the paged-attention path (`marljax.engine.paged_attention.PAGED_ATTENTIONS`;
+    auto: the TPU kernel on a TPU)."""
 
     def __init__(self, model: Decoder, *, num_slots: int = 64, page_size: int = 16, num_pages: int | None = None,
                  chunk_steps: int = 16, share_prefixes: bool = True, attention: str = "auto",
-                 prefill_tokens: int | None = None):
-        if num_slots < 1 or page_size < 1 or chunk_steps < 1:
-            raise ValueError(f"num_slots={num_slots}, page_size={page_size} and chunk_steps={chunk_steps} "
-                             "must be ≥ 1.")
+                 prefill_tokens: int | None = None, ranks: int = 1):
+        if num_slots < 1 or page_size < 1 or chunk_steps < 1 or ranks < 1:
+            raise ValueError(f"num_slots={num_slots}, page_size={page_size}, chunk_steps={chunk_steps} and "
+                             f"ranks={ranks} must be ≥ 1.")
+        if num_slots % ranks:
+            raise ValueError(f"num_slots={num_slots} is not a multiple of ranks={ranks}: every rank needs as many "
+                             "slots.")
         if prefill_tokens is not None and prefill_tokens < PREFILL_CHUNK_MIN:
             raise ValueError(f"prefill_tokens={prefill_tokens}: a prefill call needs at least "
                              f"{PREFILL_CHUNK_MIN} positions (None: one call per admission).")
         self.model, self.num_slots, self.page_size = model, num_slots, page_size
         self.num_pages, self.chunk_steps, self.share_prefixes = num_pages, chunk_steps, share_prefixes
-        self.attention, self.prefill_tokens = attention, prefill_tokens
+        self.attention, self.prefill_tokens, self.ranks = attention, prefill_tokens, ranks
         self.graphdef, self.state = nnx.split(model)
         self.stats = EngineStats()
         self._spare = None  # a pool no stream holds, reused by the next one
@@ -90,7 +103,12 @@ class Engine:
         model's own). With `adapters` (G LoRA adapters of one format), every request names its set
         (`submit(..., group=g)`) and one batch mixes them: each row adds its own adapter's
         lora_scale·(x A) B to the shared `layers` (`Decoder.hidden`'s `lora_groups`), no merged copy per
-        set."""
+        set; one rank only (the adapters' ragged matmul needs each set's rows contiguous over the whole
+        batch, which rank blocks break)."""
+        if adapters is not None and self.ranks > 1:
+            raise ValueError(f"per-row adapters with ranks={self.ranks} are not supported: each set's rows must "
+                             "be contiguous over the whole batch, and rows are laid out in rank blocks; use "
+                             "ranks=1 or one stream per set (`layers`).")
         return Stream(self, params, self.model.layer_list() if layers is None else layers,
                       None if adapters is None else stack_adapters(adapters), lora_scale)
 
@@ -118,22 +136,32 @@ class Engine:
 
     def _prefill(self, pages, layers, prefixes, lora):
         """Write each prompt's KV into its prefix's pages: the pool, the prompts' last hidden states [n, D]
-        (in `prefixes`' order) and the number of jitted calls. `lora`: the stream's stacked adapters, rows
-        sorted by set. Chunked prefill (`prefill_tokens`): one call per chunk of positions, each attending
-        the pages the chunks before it wrote, so a call holds rows × chunk tokens however long the prompts
-        are."""
-        order = sorted(range(len(prefixes)), key=lambda i: prefixes[i].group)
-        prefixes = [prefixes[i] for i in order]
+        (in `prefixes`' order) and the number of jitted calls. Rows in rank blocks (each prefix in its
+        rank's block, the rest idle on the null page); `lora`: the stream's stacked adapters, rows sorted
+        by set (one rank). Chunked prefill (`prefill_tokens`): one call per chunk of positions, each
+        attending the pages the chunks before it wrote, so a call holds rows × chunk tokens however long
+        the prompts are."""
+        order = sorted(range(len(prefixes)), key=lambda i: (prefixes[i].rank, prefixes[i].group))
+        per_rank = bucket(max(np.bincount([p.rank for p in prefixes])))
+        n = self.ranks * per_rank
+        row, used = np.zeros(len(prefixes), np.int64), [0] * self.ranks  # prefixes[i]'s row; rows per rank so far
+        for i in order:
+            k = prefixes[i].rank
+            row[i], used[k] = k * per_rank + used[k], used[k] + 1
         ps = self.page_size
-        start = [p.cached * ps for p in prefixes]  # tokens found in the prefix cache: not prefilled again
-        todo = [len(p.prompt) - s for p, s in zip(prefixes, start)]
-        n, T = bucket(len(prefixes)), bucket(max(todo), PREFILL_CHUNK_MIN)
+        rows = [None] * n  # the prefix of each row (None: idle)
+        for i, p in enumerate(prefixes):
+            rows[row[i]] = p
+        start = [p.cached * ps if p else 0 for p in rows]  # tokens found in the prefix cache: not prefilled again
+        todo = [len(p.prompt) - s if p else 0 for p, s in zip(rows, start)]
+        T = bucket(max(todo), PREFILL_CHUNK_MIN)
         C = prefill_chunk(self.prefill_tokens, n, T)
         width = bucket(pages_for(max(start) + T, ps))
         table_nw = np.zeros((n, width), np.int32)
-        for i, p in enumerate(prefixes):
-            own = p.full_pages + ([p.partial_page] if p.partial_page is not None else [])
-            table_nw[i, : len(own)] = own
+        for i, p in enumerate(rows):
+            if p is not None:
+                own = p.full_pages + ([p.partial_page] if p.partial_page is not None else [])
+                table_nw[i, : len(own)] = own
         if lora is not None:
             num_sets = jax.tree.leaves(lora["lora"])[0].shape[0]
             groups_g = np.bincount([p.group for p in prefixes], minlength=num_sets).astype(np.int32)
@@ -144,7 +172,9 @@ class Engine:
             start_n = np.zeros(n, np.int32)
             last_n = np.zeros(n, np.int32)
             ends_here = np.zeros(n, bool)  # rows whose last prompt token is in this chunk
-            for i, (p, s, m) in enumerate(zip(prefixes, start, todo)):
+            for i, (p, s, m) in enumerate(zip(rows, start, todo)):
+                if p is None:
+                    continue
                 part = p.prompt[s + c0: s + min(m, c0 + C)]
                 tokens_nc[i, : len(part)] = part
                 start_n[i] = s + c0
@@ -153,13 +183,13 @@ class Engine:
             pages, h_nd = _prefill(self.graphdef, self.state, layers, pages, tokens_nc, start_n, table_nw, last_n,
                                    lora, attention=self.attention)
             hidden_nd = h_nd if hidden_nd is None else jnp.where(ends_here[:, None], h_nd, hidden_nd)
-        return pages, hidden_nd[np.argsort(order)], len(starts)
+        return pages, hidden_nd[row], len(starts)
 
     def _take_pool(self, num_pages: int) -> list[dict]:
         spare, self._spare = self._spare, None
         if spare is not None and pool_pages(spare) == num_pages:
             return spare
-        return init_pages(self.model.config, num_pages, self.page_size)
+        return init_pages(self.model.config, num_pages, self.page_size, ranks=self.ranks)
 
 
 class Stream:
@@ -173,15 +203,20 @@ class Stream:
         cfg, ps = engine.model.config, engine.page_size
         self.growable = not engine.num_pages
         spare = pool_pages(engine._spare) if engine._spare is not None else 2
-        self.pool = PagePool(engine.num_pages or spare)
-        self.pages = engine._take_pool(self.pool.num_pages)
-        self.sched = Scheduler(self.pool, engine.num_slots, ps, params.max_new_tokens, engine.share_prefixes,
+        self.pools = [PagePool(engine.num_pages or spare) for _ in range(engine.ranks)]  # one per rank
+        self.pages = engine._take_pool(self.num_pages)
+        self.sched = Scheduler(self.pools, engine.num_slots, ps, params.max_new_tokens, engine.share_prefixes,
                                num_groups)
         self.keys_nk = np.zeros((0, 0), np.uint32)
         self.stops = tuple(sorted(set(params.stop_token_ids))) or (-1,)
         self.sampling = dict(temperature=float(params.temperature), top_p=float(params.top_p),
                              top_k=int(params.top_k))
-        self.stats = EngineStats(pool_bytes=self.pool.num_pages * page_bytes(cfg, ps))
+        self.stats = EngineStats(pool_bytes=engine.ranks * self.num_pages * page_bytes(cfg, ps))
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of each rank's pool (the null page included)."""
+        return self.pools[0].num_pages
 
     @property
     def idle(self) -> bool:
@@ -197,9 +232,9 @@ class Stream:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new}) exceeds the model's "
                              f"max_position {cfg.max_position}.")
         need = self.sched.worst_pages(len(prompt))
-        if not self.growable and need > self.pool.num_pages - 1:
+        if not self.growable and need > self.num_pages - 1:
             raise ValueError(f"a prompt of {len(prompt)} tokens + max_new_tokens {max_new} needs {need} pages of "
-                             f"{self.engine.page_size}; the pool has {self.pool.num_pages - 1}.")
+                             f"{self.engine.page_size}; a rank's pool has {self.num_pages - 1}.")
         if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.key_data(key)
         key = np.asarray(key, np.uint32)
@@ -231,8 +266,8 @@ class Stream:
         if adm.copy_src:
             n = bucket(len(adm.copy_src))  # padded with null-page-onto-itself copies: few compiles
             pad = [NULL_PAGE] * (n - len(adm.copy_src))
-            self.pages = copy_pages(self.pages, np.asarray(adm.copy_src + pad, np.int32),
-                                    np.asarray(adm.copy_dst + pad, np.int32))
+            self.pages = copy_pages(self.pages, np.asarray(adm.copy_rank + pad, np.int32),
+                                    np.asarray(adm.copy_src + pad, np.int32), np.asarray(adm.copy_dst + pad, np.int32))
         if adm.members:
             rows = bucket(len(adm.members))
             hidden_md = jnp.stack([seq.prefix.hidden for _, seq in adm.members]
@@ -243,8 +278,8 @@ class Stream:
             sched.started(adm.members, np.asarray(tok), np.asarray(logp), set(self.params.stop_token_ids))
         if sched.running:
             width = bucket(sched.grow(e.chunk_steps))
-            rows = min(bucket(len(sched.running)), e.num_slots)
-            b = sched.batch(rows, width)
+            b = sched.batch(width)
+            rows = len(b["token"])
             lora = None if self.lora is None else {**self.lora, "lora_groups": b["groups"]}
             self.pages, out = _decode_chunk(
                 e.graphdef, e.state, self.layers, self.pages, b["page_table"], b["token"], b["pos"], b["n_gen"],
@@ -256,11 +291,11 @@ class Stream:
             sched.advance(out["tok"], out["logp"], out["n_gen"], out["token"], out["pos"], out["hit"], out["done"])
         cfg = e.model.config
         stats.prefill_tokens = sched.prefill_tokens
-        stats.cached_tokens = sched.cache.hit_tokens if sched.cache else 0
+        stats.cached_tokens = sched.cached_tokens
         stats.generated_tokens = sum(len(t) for t in sched.tokens)
-        stats.peak_pages = self.pool.peak_in_use
-        stats.peak_kv_bytes = self.pool.peak_in_use * page_bytes(cfg, e.page_size)
-        stats.pool_bytes = self.pool.num_pages * page_bytes(cfg, e.page_size)
+        stats.peak_pages = sum(pool.peak_in_use for pool in self.pools)
+        stats.peak_kv_bytes = stats.peak_pages * page_bytes(cfg, e.page_size)
+        stats.pool_bytes = e.ranks * self.num_pages * page_bytes(cfg, e.page_size)
         return sched.take_finished()
 
     def close(self) -> None:
@@ -268,12 +303,13 @@ class Stream:
         self.engine._spare, self.pages = self.pages, None
 
     def _grow(self, pages_needed: int) -> None:
-        """Grow the pool (a power of two of pages) to hold `pages_needed` besides the null page."""
-        if pages_needed + 1 <= self.pool.num_pages:
+        """Grow every rank's pool (a power of two of pages) to hold `pages_needed` besides the null page."""
+        if pages_needed + 1 <= self.num_pages:
             return
         n = bucket(pages_needed + 1)
-        self.pages = grow_pages(self.pages, n - self.pool.num_pages)
-        self.pool.grow(n)
+        self.pages = grow_pages(self.pages, n - self.num_pages)
+        for pool in self.pools:
+            pool.grow(n)
 
 
 def prefill_chunk(budget: int | None, rows: int, length: int) -> int:

@@ -12,8 +12,8 @@ path reads too (`marljax.engine.paged_attention`); a gather of a page table [B, 
 [B, W·page_size, 2·kv_heads, head_dim] with no transpose of the pool. `ranks` pools of `pages` pages
 each: a data-parallel engine on a mesh keeps one pool per batch rank (split over the mesh like the
 rows; rows are split evenly over the ranks in order and their page tables index their rank's pool, so
-each chip holds only its own rows' pages); with one rank (the default: the host scheduler keeps one
-pool) it is replicated over the batch ranks.
+each chip holds only its own rows' pages; the host scheduler keeps one `PagePool` per rank,
+`marljax.engine.scheduler`); with one rank it is replicated over the batch ranks.
 """
 from __future__ import annotations
 
@@ -56,10 +56,10 @@ def pages_for(positions: int, page_size: int) -> int:
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def copy_pages(pages: list[dict], src, dst) -> list[dict]:
-    """Copy page src[i] onto page dst[i] of the first rank's pool in every layer (in place: the pool is
+def copy_pages(pages: list[dict], rank, src, dst) -> list[dict]:
+    """Copy page src[i] onto page dst[i] of rank rank[i]'s pool in every layer (in place: the pool is
     donated)."""
-    return [{name: a.at[0, dst].set(a[0, src]) for name, a in layer.items()} for layer in pages]
+    return [{name: a.at[rank, dst].set(a[rank, src]) for name, a in layer.items()} for layer in pages]
 
 
 @functools.partial(jax.jit, static_argnums=1)

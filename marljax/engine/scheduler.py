@@ -1,20 +1,31 @@
-"""Host-side continuous batching: decode slots, admission with page reservation, shared prompt prefixes.
+"""Host-side continuous batching: decode slots, admission with page reservation, shared prompt prefixes,
+one page pool per data-parallel rank.
+
+The slots are split evenly over R ranks (slot s belongs to rank s // (slots / R)), and each rank has
+its own page pool (`PagePool`; on a mesh, the rank's chip holds it): a sequence's pages all come from its
+slot's rank. Decode chunks lay the rows out in rank blocks (`batch`), the layout
+`marljax.engine.paged_attention` maps to the rank pools. With R = 1 there is one pool.
 
 Requests wait in submission order. Between decode chunks the scheduler frees the slots (and pages) of
-finished sequences and admits waiting requests into free slots. A request is admitted only when the
-pool can hold everything it may still write (its worst case: prompt + max_new − 1 positions, less the
-pages it shares), counting what the sequences already running may still need; so a running sequence
-never finds the pool empty, and pages are still taken one chunk at a time (`grow`): the pages in use
-are the tokens in flight.
+finished sequences and admits waiting requests, head of the queue first, into free slots. A request is
+admitted only when its rank's pool can hold everything it may still write (its worst case: prompt +
+max_new − 1 positions, less the pages it shares), counting what the rank's running sequences may still
+need; so a running sequence never finds its pool empty, and pages are still taken one chunk at a time
+(`grow`): the pages in use are the tokens in flight. The head request goes to a rank that already holds
+its prompt's prefix (and can afford its own pages), else to the rank that can afford prefix and own
+pages with the most free slots (the lowest such rank on a tie); when none can, admission stops.
 
-Shared prefixes: requests with an identical prompt form one `Prefix`, prefilled once into its own pages
-(the prompt's full pages plus a template of its last, partial page). Every member shares the full pages
-(refcounted) and writes its continuation into its own copy of the partial page; the last member to be
-admitted takes the template itself. The prefix keeps the prompt's last hidden state, from which each
-member draws its first token with its own key. Prompts also share pages over time: a prompt's full pages
-stay in the prefix cache (`marljax.engine.prefix_cache`) after its requests finish, and a later prompt
-that starts with the same blocks (of the same parameter set) reuses them and is prefilled from there on.
-With `share_prefixes=False` every request is its own prefix (one member, no copy) and nothing is cached.
+Shared prefixes: requests with an identical prompt (and parameter set) share one `Prefix` per rank,
+prefilled once into that rank's pages (the prompt's full pages plus a template of its last, partial
+page): a GRPO group spread over two ranks is prefilled twice, once per rank. Every member shares its
+rank's full pages (refcounted) and writes its continuation into its own copy of the partial page; the
+last member of the prompt to be admitted (over all ranks) takes its rank's template itself, and the
+prompt's prefixes on other ranks are retired then (their template pages freed). The prefix keeps the
+prompt's last hidden state, from which each member draws its first token with its own key. Prompts also
+share pages over time: a prompt's full pages stay in its rank's prefix cache
+(`marljax.engine.prefix_cache`) after its requests finish, and a later prompt on that rank that starts
+with the same blocks (of the same parameter set) reuses them and is prefilled from there on. With
+`share_prefixes=False` every request is its own prefix (one member, no copy) and nothing is cached.
 """
 from __future__ import annotations
 
@@ -24,17 +35,19 @@ import numpy as np
 
 from marljax.engine.kv_pages import NULL_PAGE, PagePool, pages_for
 from marljax.engine.prefix_cache import PrefixCache
+from marljax.shapes import bucket
 
 
 @dataclasses.dataclass
 class Prefix:
-    """A prompt prefilled once: its pages (one reference held here until its last member is admitted)."""
+    """A prompt prefilled once into one rank's pool: its pages (one reference held here until the prompt's
+    last waiting request is admitted)."""
 
     prompt: tuple[int, ...]
     group: int  # the parameter set its KV was computed with
+    rank: int  # the pool its pages are in
     full_pages: list[int]
     partial_page: int | None
-    waiting: int  # members not yet admitted
     cached: int = 0  # leading full pages found in the prefix cache (their tokens are not prefilled)
     hidden: object = None  # the prompt's last hidden state [D] (a device array), set after its prefill
 
@@ -60,33 +73,42 @@ class Sequence:
 @dataclasses.dataclass
 class Admission:
     """What one admission round asks of the device: prefill `prefill` (new prefixes), copy page src[i]
-    onto dst[i], then draw the first token of each of `members` (slot, sequence)."""
+    onto dst[i] of rank copy_rank[i]'s pool, then draw the first token of each of `members` (slot,
+    sequence)."""
 
     prefill: list[Prefix]
+    copy_rank: list[int]
     copy_src: list[int]
     copy_dst: list[int]
     members: list[tuple[int, Sequence]]
 
 
 class Scheduler:
-    """See the module docstring. Request ids are the prompts' indices in `submit` order."""
+    """See the module docstring. Request ids are the prompts' indices in `submit` order. `pools`: one
+    `PagePool` per rank, of equal size; `num_slots` a multiple of their number."""
 
-    def __init__(self, pool: PagePool, num_slots: int, page_size: int, max_new: int, share_prefixes: bool,
+    def __init__(self, pools: list[PagePool], num_slots: int, page_size: int, max_new: int, share_prefixes: bool,
                  num_groups: int = 1):
-        self.pool, self.page_size, self.max_new = pool, page_size, max_new
+        if num_slots % len(pools):
+            raise ValueError(f"num_slots={num_slots} is not a multiple of ranks={len(pools)}: every rank needs "
+                             "as many slots.")
+        self.pools, self.page_size, self.max_new = pools, page_size, max_new
+        self.ranks, self.rank_slots = len(pools), num_slots // len(pools)
         self.share = share_prefixes
         self.slots: list[Sequence | None] = [None] * num_slots
         self.waiting: list[int] = []
         self.prompts: list[tuple[int, ...]] = []
         self.groups: list[int] = []  # each request's parameter set (0 … num_groups − 1)
         self.num_groups = num_groups
-        self.prefixes: dict = {}  # key (prompt, or request id without sharing) -> Prefix not fully admitted
+        self.pending: dict = {}  # key (set and prompt, or request id without sharing) -> its requests waiting
+        self.prefixes: dict = {}  # (rank, key) -> Prefix whose pages it still holds (its key is pending)
         self.tokens: list[list[int]] = []
         self.logprobs: list[list[float]] = []
         self.hit: list[bool] = []
         self.prefill_tokens = 0  # prompt tokens prefilled (real, not padding)
         self.finished: list[int] = []  # requests finished since `take_finished`
-        self.cache = PrefixCache(pool, page_size) if share_prefixes else None
+        self.caches = [PrefixCache(pool, page_size) for pool in pools] if share_prefixes else None
+        self.rows: list[tuple[int, int]] = []  # (row, slot) of the last `batch`
 
     # ---- requests ------------------------------------------------------------------------------
     @property
@@ -104,8 +126,8 @@ class Scheduler:
         self.tokens.append([])
         self.logprobs.append([])
         self.hit.append(False)
-        prefix = self.prefixes.setdefault(self._key(r), Prefix(tuple(prompt), group, [], None, 0))
-        prefix.waiting += 1
+        key = self._key(r)
+        self.pending[key] = self.pending.get(key, 0) + 1
         return r
 
     def worst_pages(self, prompt_len: int) -> int:
@@ -116,6 +138,14 @@ class Scheduler:
         """Requests finished since the last call."""
         done, self.finished = self.finished, []
         return done
+
+    def rank_of(self, slot: int) -> int:
+        return slot // self.rank_slots
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix caches (not prefilled)."""
+        return sum(c.hit_tokens for c in self.caches) if self.caches else 0
 
     def _key(self, request: int):
         return (self.groups[request], self.prompts[request]) if self.share else request
@@ -128,92 +158,134 @@ class Scheduler:
 
     @property
     def running(self) -> list[tuple[int, Sequence]]:
-        """(slot, sequence) of the running sequences, grouped by parameter set (the order of a decode
-        chunk's rows: per-row adapters need rows sorted by set), then by slot."""
-        return sorted(((s, q) for s, q in enumerate(self.slots) if q is not None), key=lambda x: x[1].prefix.group)
+        """(slot, sequence) of the running sequences by rank, then by parameter set (per-row adapters need
+        rows sorted by set), then by slot."""
+        return sorted(((s, q) for s, q in enumerate(self.slots) if q is not None),
+                      key=lambda x: (self.rank_of(x[0]), x[1].prefix.group))
 
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def _evictable(self) -> int:
-        return self.cache.evictable() if self.cache else 0
+    def _evictable(self, rank: int) -> int:
+        return self.caches[rank].evictable() if self.caches else 0
 
-    def _alloc(self, n: int) -> list[int]:
-        """n fresh pages, evicting cached prompt pages no request uses when the free list is short."""
-        if n > self.pool.free and self.cache:
-            self.cache.evict(n - self.pool.free)
-        return self.pool.alloc(n)
+    def _alloc(self, rank: int, n: int) -> list[int]:
+        """n fresh pages of `rank`'s pool, evicting cached prompt pages no request uses when its free list
+        is short."""
+        pool = self.pools[rank]
+        if n > pool.free and self.caches:
+            self.caches[rank].evict(n - pool.free)
+        return pool.alloc(n)
 
     def prefilled(self, prefixes: list[Prefix]) -> None:
-        """The prefixes' pages now hold their prompts' KV: keep their full pages in the prefix cache."""
-        if self.cache:
+        """The prefixes' pages now hold their prompts' KV: keep their full pages in their rank's cache."""
+        if self.caches:
             for p in prefixes:
-                self.cache.insert(p.group, p.prompt, p.full_pages)
+                self.caches[p.rank].insert(p.group, p.prompt, p.full_pages)
 
-    def _reserved(self) -> int:
-        """Pages the running sequences may still take."""
-        return sum(self._own_worst(len(q.prefix.prompt)) - len(q.own_pages) for _, q in self.running)
+    def _reserved(self, rank: int) -> int:
+        """Pages `rank`'s running sequences may still take."""
+        return sum(self._own_worst(len(q.prefix.prompt)) - len(q.own_pages)
+                   for s, q in enumerate(self.slots) if q is not None and self.rank_of(s) == rank)
+
+    def _free_slots(self, rank: int) -> list[int]:
+        return [s for s in range(rank * self.rank_slots, (rank + 1) * self.rank_slots) if self.slots[s] is None]
 
     def demand(self) -> int:
-        """Pages in use, plus what the running sequences may still take, plus what admitting waiting
-        requests into every free slot needs at worst: the pool that admits them all now."""
-        need, fresh = self.pool.in_use - self._evictable() + self._reserved(), set()
-        free_slots = sum(q is None for q in self.slots)
-        for r in self.waiting[:free_slots]:
-            prefix = self.prefixes[self._key(r)]
-            need += self._own_worst(len(prefix.prompt))
-            if not prefix.full_pages and prefix.partial_page is None and id(prefix) not in fresh:
-                fresh.add(id(prefix))
-                need += self._prefix_pages(len(prefix.prompt))
-        return need
+        """Pages one rank's pool needs to admit waiting requests into every free slot now, the most over
+        the ranks. Per rank an upper bound: its pages in use, plus what its running sequences may still
+        take, plus the worst case of the costliest requests it could be given (as many as its free
+        slots, among those the free slots of all ranks can admit; a prompt's first request that has no
+        prefix on the rank pays its prefix pages). Exact with one rank."""
+        free = [len(self._free_slots(rank)) for rank in range(self.ranks)]
+        heads = self.waiting[: sum(free)]
+        most = 0
+        for rank, pool in enumerate(self.pools):
+            costs, fresh = [], set()
+            for r in heads:
+                key, n = self._key(r), len(self.prompts[r])
+                costs.append(self._own_worst(n))
+                if (rank, key) not in self.prefixes and key not in fresh:
+                    fresh.add(key)
+                    costs[-1] += self._prefix_pages(n)
+            top = sum(sorted(costs, reverse=True)[: free[rank]])
+            most = max(most, pool.in_use - self._evictable(rank) + self._reserved(rank) + top)
+        return most
 
     # ---- admission -----------------------------------------------------------------------------
     def admit(self) -> Admission:
-        """Fill free slots with waiting requests, in order, while the pool can hold their worst case."""
-        adm = Admission([], [], [], [])
-        free_slots = [s for s, q in enumerate(self.slots) if q is None]
-        budget = self.pool.free + self._evictable() - self._reserved()
-        while self.waiting and free_slots:
+        """Fill free slots with waiting requests, in order, while a rank's pool can hold their worst case."""
+        adm = Admission([], [], [], [], [])
+        free = [self._free_slots(rank) for rank in range(self.ranks)]
+        budget = [pool.free + self._evictable(k) - self._reserved(k) for k, pool in enumerate(self.pools)]
+        retired = []  # (rank, pages) to release after the round: this round's prefill and copies still read them
+        while self.waiting:
             r = self.waiting[0]
-            prefix = self.prefixes[self._key(r)]
-            prompt_len = len(prefix.prompt)
-            fresh = not prefix.full_pages and prefix.partial_page is None  # no pages yet: prefill it
-            need = self._own_worst(prompt_len) + (self._prefix_pages(prompt_len) if fresh else 0)
-            if need > budget:
+            key, prompt_len = self._key(r), len(self.prompts[r])
+            own_need, prefix_need = self._own_worst(prompt_len), self._prefix_pages(prompt_len)
+            rank = self._place(key, own_need, prefix_need, free, budget)
+            if rank is None:
                 break
-            budget -= need
             self.waiting.pop(0)
-            if fresh:
-                n_full = prompt_len // self.page_size
-                cached = self.cache.lookup(prefix.group, prefix.prompt) if self.cache else []
-                pages = cached + self._alloc(self._prefix_pages(prompt_len) - len(cached))
-                prefix.full_pages = pages[:n_full]
-                prefix.partial_page = pages[n_full] if len(pages) > n_full else None
-                prefix.cached = len(cached)
+            prefix = self.prefixes.get((rank, key))
+            if prefix is None:
+                prefix = self.prefixes[(rank, key)] = self._new_prefix(r, rank)
                 adm.prefill.append(prefix)
-                self.prefill_tokens += prompt_len - len(cached) * self.page_size
-            self.pool.retain(prefix.full_pages)
+                budget[rank] -= prefix_need
+            budget[rank] -= own_need
+            self.pools[rank].retain(prefix.full_pages)
+            self.pending[key] -= 1
+            last = self.pending[key] == 0
             own = []
-            prefix.waiting -= 1
             if prefix.partial_page is not None:
-                if prefix.waiting == 0:  # the last member takes the template page (and its reference)
+                if last:  # the prompt's last request takes its rank's template page (and its reference)
                     own = [prefix.partial_page]
                 else:
-                    own = self._alloc(1)
+                    own = self._alloc(rank, 1)
+                    adm.copy_rank.append(rank)
                     adm.copy_src.append(prefix.partial_page)
                     adm.copy_dst.append(own[0])
-            if prefix.waiting == 0:
-                self.pool.release(prefix.full_pages)
-                del self.prefixes[self._key(r)]
+            if last:
+                del self.pending[key]
+                retired += self._retire(key, rank)
             seq = Sequence(r, prefix, prefix.full_pages + own, prompt_len + self.max_new - 1)
-            slot = free_slots.pop(0)
+            slot = free[rank].pop(0)
             self.slots[slot] = seq
             adm.members.append((slot, seq))
+        for rank, pages in retired:
+            self.pools[rank].release(pages)
         if self.waiting and not adm.members and not self.running:
-            raise RuntimeError(f"request {self.waiting[0]} cannot be admitted: the pool's {self.pool.free} free "
-                               "pages are held by prompts whose other rollouts wait; give the engine more pages.")
+            raise RuntimeError(f"request {self.waiting[0]} cannot be admitted: the free pages of every rank's "
+                               "pool are held by prompts whose other rollouts wait; give the engine more pages.")
         return adm
+
+    def _place(self, key, own_need: int, prefix_need: int, free: list[list[int]], budget: list[int]) -> int | None:
+        """The rank the request of `key` goes to (module docstring), or None when no rank can take it."""
+        held = [k for k in range(self.ranks) if (k, key) in self.prefixes and free[k] and budget[k] >= own_need]
+        fit = held or [k for k in range(self.ranks) if free[k] and budget[k] >= own_need + prefix_need]
+        return min(fit, key=lambda k: (-len(free[k]), k)) if fit else None
+
+    def _new_prefix(self, request: int, rank: int) -> Prefix:
+        """Request `request`'s prompt in `rank`'s pool: its cached leading pages, fresh pages for the rest."""
+        prompt, group = self.prompts[request], self.groups[request]
+        n_full = len(prompt) // self.page_size
+        cached = self.caches[rank].lookup(group, prompt) if self.caches else []
+        pages = cached + self._alloc(rank, self._prefix_pages(len(prompt)) - len(cached))
+        self.prefill_tokens += len(prompt) - len(cached) * self.page_size
+        return Prefix(prompt, group, rank, pages[:n_full], pages[n_full] if len(pages) > n_full else None,
+                      cached=len(cached))
+
+    def _retire(self, key, rank: int) -> list[tuple[int, list[int]]]:
+        """`key` has no request left waiting: drop its prefixes; the references they hold, by rank (on
+        `rank`, where its last request took the template page, the full pages only)."""
+        out = []
+        for k in range(self.ranks):
+            p = self.prefixes.pop((k, key), None)
+            if p is not None:
+                template = [p.partial_page] if k != rank and p.partial_page is not None else []
+                out.append((k, p.full_pages + template))
+        return out
 
     def started(self, members: list[tuple[int, Sequence]], tok, logp, stops: set[int]) -> None:
         """Record each admitted member's first token (drawn from its prompt's last hidden state)."""
@@ -226,34 +298,43 @@ class Scheduler:
                 self._finish(slot)
 
     def _finish(self, slot: int) -> None:
-        self.pool.release(self.slots[slot].pages)
+        self.pools[self.rank_of(slot)].release(self.slots[slot].pages)
         self.finished.append(self.slots[slot].request)
         self.slots[slot] = None
 
     # ---- decode chunks -------------------------------------------------------------------------
     def grow(self, steps: int) -> int:
-        """Give each running sequence the pages its next `steps` decode steps write; returns the most
-        pages any sequence then holds."""
+        """Give each running sequence the pages its next `steps` decode steps write (from its rank's
+        pool); returns the most pages any sequence then holds."""
         widest = 1
-        for _, q in self.running:
+        for s, q in self.running:
             last = min(q.pos + steps, q.limit) - 1  # the last position this chunk may write
             short = last // self.page_size + 1 - len(q.pages)
             if short > 0:
-                q.pages += self._alloc(short)
+                q.pages += self._alloc(self.rank_of(s), short)
             widest = max(widest, len(q.pages))
         return widest
 
-    def batch(self, rows: int, width: int) -> dict[str, np.ndarray]:
-        """The running sequences, in `running` order, as the first of `rows` rows for a decode chunk (the
-        rest idle): page tables [rows, width] (null-padded), next input token, its position, tokens
-        generated so far, request id (its RNG stream), liveness, and the rows of each parameter set
-        ("groups" [num_groups]). Rows, not slots: a chunk computes only as many rows as are running
-        (rounded up by the engine), so the tail of a call runs at a small batch."""
+    def batch(self, width: int) -> dict[str, np.ndarray]:
+        """The running sequences as a decode chunk's rows, in rank blocks: R blocks of as many rows as the
+        busiest rank runs (rounded up to a power of two, at most its slots), rank r's sequences first in
+        block r in `running` order, the rest idle. Page tables [rows, width] (pool-local page ids,
+        null-padded), next input token, its position, tokens generated so far, request id (its RNG
+        stream), liveness, and the rows of each parameter set ("groups" [num_groups]). Rows, not slots: a
+        chunk computes only as many rows as are running (rounded up), so the tail of a call runs at a
+        small batch. The row → slot map is kept for `advance`."""
+        blocks = [[] for _ in range(self.ranks)]
+        for s, q in self.running:
+            blocks[self.rank_of(s)].append((s, q))
+        per_rank = min(bucket(max(map(len, blocks))), self.rank_slots)
+        rows = self.ranks * per_rank
         out = {"page_table": np.full((rows, width), NULL_PAGE, np.int32), "token": np.zeros(rows, np.int32),
                "pos": np.zeros(rows, np.int32), "n_gen": np.zeros(rows, np.int32),
                "request": np.zeros(rows, np.int32), "live": np.zeros(rows, bool),
                "groups": np.zeros(self.num_groups, np.int32)}
-        for r, (_, q) in enumerate(self.running):
+        self.rows = [(k * per_rank + i, s) for k, block in enumerate(blocks) for i, (s, _) in enumerate(block)]
+        for r, s in self.rows:
+            q = self.slots[s]
             out["groups"][q.prefix.group] += 1
             out["page_table"][r, : len(q.pages)] = q.pages
             out["token"][r], out["pos"][r], out["n_gen"][r] = q.token, q.pos, q.n_gen
@@ -261,9 +342,10 @@ class Scheduler:
         return out
 
     def advance(self, tok_rk, logp_rk, n_gen_r, token_r, pos_r, hit_r, done_r) -> None:
-        """Take a decode chunk's results (rows as `batch` laid them out); finished sequences free their
-        slots and pages."""
-        for r, (s, q) in enumerate(self.running):
+        """Take a decode chunk's results (rows as the last `batch` laid them out); finished sequences free
+        their slots and pages."""
+        for r, s in self.rows:
+            q = self.slots[s]
             new = int(n_gen_r[r]) - q.n_gen
             self.tokens[q.request] += tok_rk[r, :new].tolist()
             self.logprobs[q.request] += logp_rk[r, :new].tolist()
@@ -271,3 +353,4 @@ class Scheduler:
             self.hit[q.request] = bool(hit_r[r])
             if done_r[r]:
                 self._finish(s)
+        self.rows = []
