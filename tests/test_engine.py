@@ -13,7 +13,7 @@ from flax import nnx
 
 from marljax.engine import Engine
 from marljax.engine.engine import prefill_chunk
-from marljax.engine.kv_pages import PagePool
+from marljax.engine.kv_pages import PagePool, page_bytes
 from marljax.engine.paged_attention import (gather_attention, interleave, kernel_cache_attention,
                                             resolve_paged_attention, write_pages)
 from marljax.models.attention import attention
@@ -356,3 +356,124 @@ def test_chunked_prefill_equals_one_call(model):
     np.testing.assert_allclose(run.result(r)[1], ref_later.logprobs[0], atol=1e-5)
     with pytest.raises(ValueError, match="prefill_tokens=8"):
         Engine(model, prefill_tokens=8)
+
+
+def _run_checked(engine, prompts, sp):
+    """`engine.generate(prompts, sp)` step by step (same per-request keys), checking after every step that
+    each rank's page references are exactly those of its own sequences, live prefixes and cache: a
+    sequence's pages all come from its slot's rank. At the end only cached pages stay in use."""
+    from collections import Counter
+    run = engine.stream(sp)
+    base = jax.random.key(sp.seed)
+    for i, p in enumerate(prompts):
+        run.submit(p, jax.random.fold_in(base, i))
+    sched = run.sched
+
+    def held(k):
+        refs = Counter()
+        for s, q in enumerate(sched.slots):
+            if q is not None and sched.rank_of(s) == k:
+                assert q.prefix.rank == k
+                refs.update(q.pages)
+        for (kk, _), p in sched.prefixes.items():
+            if kk == k:
+                refs.update(p.full_pages + ([p.partial_page] if p.partial_page is not None else []))
+        if sched.caches:
+            refs.update(n.page for n in sched.caches[k].nodes.values())
+        return refs
+
+    ranks = []  # the rank each request was admitted on
+    while not run.idle:
+        run.step()
+        ranks += [(q.request, sched.rank_of(s)) for s, q in enumerate(sched.slots) if q is not None]
+        for k, pool in enumerate(sched.pools):
+            refs = held(k)
+            assert 0 not in refs and all(pool.refs[p] == refs[p] for p in range(pool.num_pages)), k
+    for k, pool in enumerate(sched.pools):
+        cached = list(sched.caches[k].nodes.values()) if sched.caches else []
+        assert pool.in_use == len(cached) and all(pool.refs[n.page] == 1 for n in cached)
+    run.close()
+    engine.stats = run.stats
+    return run, dict(ranks)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_rank_pools_equal_static_sampler_and_one_rank(model, ranks):
+    """4 slots over 2 or 4 rank pools for 6 prompts, pages of 4, chunks of 8, a stop token: greedy tokens,
+    stops and logprobs equal the static sampler's (rows in rank blocks read their own rank's pages);
+    seeded samples equal the one-rank engine's (per-request keys). Every sequence's pages come from its
+    slot's rank and all come back; requests land on every rank."""
+    free = generate(model, PROMPTS, SamplingParams(max_new_tokens=30, temperature=0.0))
+    sp = SamplingParams(max_new_tokens=30, temperature=0.0, stop_token_ids=(free.tokens[1][4],))
+    ref = generate(model, PROMPTS, sp)
+    engine = Engine(model, num_slots=4, page_size=4, chunk_steps=8, ranks=ranks)
+    run, placed = _run_checked(engine, PROMPTS, sp)
+    assert [run.result(i)[0] for i in range(len(PROMPTS))] == ref.tokens
+    assert [run.result(i)[2] for i in range(len(PROMPTS))] == ref.finished and any(ref.finished)
+    for i, lp in enumerate(ref.logprobs):
+        np.testing.assert_allclose(run.result(i)[1], lp, atol=1e-5)
+    assert set(placed.values()) == set(range(ranks))
+    assert 0 < engine.stats.peak_kv_bytes < engine.stats.pool_bytes
+    seeded = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=5)
+    one = Engine(model, num_slots=4, page_size=4, chunk_steps=8).generate(PROMPTS, seeded)
+    out = Engine(model, num_slots=4, page_size=4, chunk_steps=8, ranks=ranks).generate(PROMPTS, seeded)
+    assert out.tokens == one.tokens
+    np.testing.assert_allclose(np.concatenate(out.logprobs), np.concatenate(one.logprobs), atol=1e-5)
+
+
+def test_group_over_two_ranks_is_prefilled_once_per_rank(model):
+    """A GRPO group of 8 identical prompts (2 full pages + a partial one): over 2 ranks of 4 slots each it
+    is prefilled twice, 4 members per rank sharing their rank's pages (the last one takes rank 1's
+    template page, rank 0's is retired and freed); over 1 rank of 8 slots once. Samples are the same."""
+    group = [list(range(20, 31))] * 8
+    sp = SamplingParams(max_new_tokens=10, temperature=1.0, seed=3)
+    one, two = (Engine(model, num_slots=8, page_size=4, chunk_steps=8, ranks=r) for r in (1, 2))
+    run1, _ = _run_checked(one, group, sp)
+    run2, placed = _run_checked(two, group, sp)
+    assert one.stats.prefill_tokens == 11 and two.stats.prefill_tokens == 2 * 11
+    assert sorted(placed.items()) == [(i, i // 4) for i in range(8)]
+    assert [run1.result(i) for i in range(8)] == [run2.result(i) for i in range(8)]
+    assert len({tuple(run1.result(i)[0]) for i in range(8)}) > 1
+    assert one.stats.peak_pages < two.stats.peak_pages  # the prompt's 2 full pages held on each rank
+
+
+def test_prefix_cache_is_per_rank(model):
+    """Eval-Opt-like later prompts on 2 ranks of one slot: each reuses the cached pages of the earlier
+    prompt its rank prefilled (12 positions each), and finds nothing when it lands on the other rank;
+    the outputs equal an engine without the cache."""
+    first, other = list(range(30, 45)), list(range(50, 65))  # rank 0, rank 1: 3 full pages of 4 + 3 tokens
+    later, other_later = first[:12] + [7, 8, 9], other[:12] + [1, 2]
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+    engine = Engine(model, num_slots=2, page_size=4, chunk_steps=8, ranks=2)
+    run = engine.stream(sp)
+
+    def wave(*prompts):
+        ids = [run.submit(p, np.zeros(2, np.uint32)) for p in prompts]
+        while not run.idle:
+            run.step()
+        return run.stats.cached_tokens, [run.result(i)[0] for i in ids]
+    assert wave(first, other)[0] == 0
+    cached, out = wave(later, other_later)  # later on rank 0 (the lowest of two free), other_later on rank 1
+    assert cached == 24
+    fresh = Engine(model, num_slots=2, page_size=4, chunk_steps=8, share_prefixes=False).generate(
+        [later, other_later], sp)
+    assert out == fresh.tokens
+    cached, out = wave(other_later, later)  # each on the other rank now: nothing cached there
+    assert cached == 24 and out == fresh.tokens[::-1]
+    run.close()
+
+
+def test_small_rank_pools_make_requests_wait(model):
+    """A fixed pool per rank that holds the longest prompt's worst case (14 pages): 4 slots over 2 ranks run at
+    most one sequence per rank, the rest wait; outputs equal the static sampler's and every page comes
+    back. Bad shapes are refused."""
+    sp = SamplingParams(max_new_tokens=16, temperature=0.0)
+    engine = Engine(model, num_slots=4, page_size=4, chunk_steps=8, num_pages=1 + 14, ranks=2)
+    run, placed = _run_checked(engine, PROMPTS, sp)
+    assert [run.result(i)[0] for i in range(len(PROMPTS))] == generate(model, PROMPTS, sp).tokens
+    assert set(placed.values()) == {0, 1} and engine.stats.peak_pages <= 2 * 14
+    assert engine.stats.pool_bytes == 2 * 15 * page_bytes(CFG, 4)
+    with pytest.raises(ValueError, match="num_slots=6 is not a multiple of ranks=4"):
+        Engine(model, num_slots=6, ranks=4)
+    with pytest.raises(ValueError, match="ranks=2 are not supported"):
+        Engine(model, num_slots=4, ranks=2).stream(sp, adapters=[{}])
