@@ -6,7 +6,11 @@ state} under full fine-tuning), the mesh and the sampling settings. A set's adap
 per-layer copy of the weights (`sampling.layer_weights`), made once per call or stream and read by
 every decode chunk: decoding then costs the base's matmuls only, and the engine's jits do not recompile
 per set. `sample` is one batch call; `stream` takes requests of any set as they come (`PolicyStream`).
-`max_cache_tokens` caps the KV tokens the engine's page pool holds (0: the pool grows as needed).
+The engine keeps one page pool per batch rank of the mesh (`sharding.batch_ranks`: each chip holds its
+own rows' pages), so `num_slots` and `max_cache_tokens` are per rank: a rank decodes `num_slots`
+sequences at once and its pool holds `max_cache_tokens` KV positions (0: the pools grow as needed).
+With `mix_sets` (per-row adapters, which need each set's rows contiguous over the whole batch) the
+engine keeps one pool, replicated on every chip, and `num_slots` sequences in all.
 """
 from __future__ import annotations
 
@@ -32,8 +36,8 @@ class SamplerSettings:
     top_p: float
     top_k: int
     stop_token_ids: tuple[int, ...]
-    max_cache_tokens: int  # KV positions the engine's page pool holds; 0: grows as needed
-    num_slots: int = 64  # sequences decoded at once
+    max_cache_tokens: int  # KV positions each batch rank's page pool holds; 0: grows as needed
+    num_slots: int = 64  # sequences each batch rank decodes at once
     prefill_tokens: int = 0  # positions per prefill call (chunked prefill); 0: whole prompts
     mix_sets: bool = False  # LoRA sets decode in one batch, each row applying its own adapter
 
@@ -60,14 +64,17 @@ class PolicySampler:
 
     def engine(self, set_name: str) -> Engine:
         """The engine set `set_name` decodes on: the base's, shared by every LoRA set; under full
-        fine-tuning one per set (its embeddings, norms and head are trained too)."""
+        fine-tuning one per set (its embeddings, norms and head are trained too). One page pool per
+        batch rank of the mesh (one in all with `mix_sets`: see the module docstring)."""
         key = set_name if self.lora_scale is None else ""
         if key not in self.engines:
             model = self.model if self.lora_scale is not None else nnx.merge(
                 nnx.graphdef(self.model), self.params_by_set[set_name])
-            pages = self.settings.max_cache_tokens // PAGE_SIZE
-            self.engines[key] = Engine(model, num_slots=self.settings.num_slots, page_size=PAGE_SIZE,
-                                       num_pages=pages or None, prefill_tokens=self.settings.prefill_tokens or None)
+            st = self.settings
+            ranks = 1 if st.mix_sets and self.lora_scale is not None else sharding.batch_ranks(self.mesh, self.rules)
+            self.engines[key] = Engine(model, num_slots=ranks * st.num_slots, page_size=PAGE_SIZE, ranks=ranks,
+                                       num_pages=st.max_cache_tokens // PAGE_SIZE or None,
+                                       prefill_tokens=st.prefill_tokens or None)
         return self.engines[key]
 
     def sample(self, set_name: str, prompts: list[list[int]], seed: int, temperature: float) -> SampleOutput:

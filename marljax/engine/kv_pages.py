@@ -22,16 +22,19 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from marljax import sharding
 from marljax.models.decoder import ModelConfig
 
 NULL_PAGE = 0
+POOL_AXES = ("batch", None, None, "act_kv_heads", "head_dim")  # a layer's pool, by logical axis
 
 
 def init_pages(config: ModelConfig, num_pages: int, page_size: int, dtype=None, ranks: int = 1) -> list[dict]:
-    """Zeroed page pool for every layer (see the module docstring for the layout)."""
+    """Zeroed page pool for every layer (see the module docstring for the layout); inside
+    `sharding.use_mesh` split like the rows (`POOL_AXES`: each rank's pool on its batch shard)."""
     dt = dtype or config.jnp_dtype
     shape = pool_shape(config, num_pages, page_size, ranks)
-    return [{"kv": jnp.zeros(shape, dt)} for _ in range(config.num_layers)]
+    return [{"kv": sharding.constrain(jnp.zeros(shape, dt), POOL_AXES)} for _ in range(config.num_layers)]
 
 
 def pool_shape(config: ModelConfig, num_pages: int, page_size: int, ranks: int = 1) -> tuple[int, ...]:
