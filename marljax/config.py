@@ -146,8 +146,8 @@ class SamplingSection:
     temperature: float = 0.7
     top_p: float = SamplingParams.top_p  # 1: off
     top_k: int = SamplingParams.top_k  # 0: off
-    max_cache_tokens: int = 0  # KV positions the rollout engine's page pool holds (0: grows as needed)
-    num_slots: int = 64  # sequences the rollout engine decodes at once
+    max_cache_tokens: int = 0  # KV positions each batch rank's page pool of the rollout engine holds (0: grows)
+    num_slots: int = 64  # sequences the rollout engine decodes at once per batch rank (all of them with mix_sets)
     prefill_tokens: int = 0  # positions one prefill call of the engine computes (chunked prefill); 0: a whole prompt
     mix_sets: bool = False  # LoRA: decode every parameter set in one batch (per-row adapters, no merged copies)
 
