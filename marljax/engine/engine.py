@@ -46,7 +46,7 @@ from marljax.engine.draw import SampleOutput, SamplingParams, sample_rows
 from marljax.engine.kv_pages import (NULL_PAGE, PagePool, copy_pages, grow_pages, init_pages, page_bytes, pages_for,
                                      pool_pages)
 from marljax.engine.paged_attention import paged_cache_attention
-from marljax.engine.scheduler import Scheduler
+from marljax.engine.scheduler import Scheduler, rank_rows
 from marljax.models.decoder import Decoder
 from marljax.models.lora import stack_adapters
 from marljax.shapes import bucket
@@ -142,12 +142,9 @@ class Engine:
         attending the pages the chunks before it wrote, so a call holds rows × chunk tokens however long
         the prompts are."""
         order = sorted(range(len(prefixes)), key=lambda i: (prefixes[i].rank, prefixes[i].group))
-        per_rank = bucket(max(np.bincount([p.rank for p in prefixes])))
-        n = self.ranks * per_rank
-        row, used = np.zeros(len(prefixes), np.int64), [0] * self.ranks  # prefixes[i]'s row; rows per rank so far
-        for i in order:
-            k = prefixes[i].rank
-            row[i], used[k] = k * per_rank + used[k], used[k] + 1
+        at, per_rank = rank_rows([prefixes[i].rank for i in order], self.ranks)
+        n, row = self.ranks * per_rank, np.zeros(len(prefixes), np.int64)  # row[i]: prefixes[i]'s row
+        row[order] = at
         ps = self.page_size
         rows = [None] * n  # the prefix of each row (None: idle)
         for i, p in enumerate(prefixes):

@@ -83,15 +83,25 @@ class Admission:
     members: list[tuple[int, Sequence]]
 
 
+def rank_rows(ranks: list[int], num_ranks: int, cap: int | None = None) -> tuple[list[int], int]:
+    """Rows in rank blocks for items of ranks `ranks` (in the order they fill their block): each item's
+    row, and the rows per rank (the busiest rank's items rounded up to a power of two, at most `cap`);
+    block r is rows [r·per_rank, (r + 1)·per_rank), what `paged_attention.flat_pages` maps to pool r."""
+    per_rank = bucket(max(np.bincount(ranks, minlength=num_ranks)))
+    per_rank = per_rank if cap is None else min(per_rank, cap)
+    rows, used = [], [0] * num_ranks
+    for k in ranks:
+        rows.append(k * per_rank + used[k])
+        used[k] += 1
+    return rows, per_rank
+
+
 class Scheduler:
     """See the module docstring. Request ids are the prompts' indices in `submit` order. `pools`: one
     `PagePool` per rank, of equal size; `num_slots` a multiple of their number."""
 
     def __init__(self, pools: list[PagePool], num_slots: int, page_size: int, max_new: int, share_prefixes: bool,
                  num_groups: int = 1):
-        if num_slots % len(pools):
-            raise ValueError(f"num_slots={num_slots} is not a multiple of ranks={len(pools)}: every rank needs "
-                             "as many slots.")
         self.pools, self.page_size, self.max_new = pools, page_size, max_new
         self.ranks, self.rank_slots = len(pools), num_slots // len(pools)
         self.share = share_prefixes
@@ -323,16 +333,14 @@ class Scheduler:
         stream), liveness, and the rows of each parameter set ("groups" [num_groups]). Rows, not slots: a
         chunk computes only as many rows as are running (rounded up), so the tail of a call runs at a
         small batch. The row → slot map is kept for `advance`."""
-        blocks = [[] for _ in range(self.ranks)]
-        for s, q in self.running:
-            blocks[self.rank_of(s)].append((s, q))
-        per_rank = min(bucket(max(map(len, blocks))), self.rank_slots)
+        slots = [s for s, _ in self.running]
+        at, per_rank = rank_rows([self.rank_of(s) for s in slots], self.ranks, self.rank_slots)
         rows = self.ranks * per_rank
         out = {"page_table": np.full((rows, width), NULL_PAGE, np.int32), "token": np.zeros(rows, np.int32),
                "pos": np.zeros(rows, np.int32), "n_gen": np.zeros(rows, np.int32),
                "request": np.zeros(rows, np.int32), "live": np.zeros(rows, bool),
                "groups": np.zeros(self.num_groups, np.int32)}
-        self.rows = [(k * per_rank + i, s) for k, block in enumerate(blocks) for i, (s, _) in enumerate(block)]
+        self.rows = list(zip(at, slots))
         for r, s in self.rows:
             q = self.slots[s]
             out["groups"][q.prefix.group] += 1
