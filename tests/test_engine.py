@@ -408,7 +408,9 @@ def test_chunked_prefill_equals_one_call(model):
 def _run_checked(engine, prompts, sp):
     """`engine.generate(prompts, sp)` step by step (same per-request keys), checking after every step that
     each rank's page references are exactly those of its own sequences, live prefixes and cache: a
-    sequence's pages all come from its slot's rank. At the end only cached pages stay in use."""
+    sequence's pages all come from its slot's rank; with growing pools, that every step admitted into
+    every free slot (the pools grew to the busiest rank's demand). At the end only cached pages stay in
+    use."""
     from collections import Counter
     run = engine.stream(sp)
     base = jax.random.key(sp.seed)
@@ -431,7 +433,10 @@ def _run_checked(engine, prompts, sp):
 
     ranks = []  # the rank each request was admitted on
     while not run.idle:
+        free, waiting = sum(q is None for q in sched.slots), len(sched.waiting)
         run.step()
+        if engine.num_pages is None:
+            assert waiting - len(sched.waiting) == min(waiting, free)
         ranks += [(q.request, sched.rank_of(s)) for s, q in enumerate(sched.slots) if q is not None]
         for k, pool in enumerate(sched.pools):
             refs = held(k)
