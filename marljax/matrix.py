@@ -426,8 +426,8 @@ def estimate(cell: Cell, acc: Accelerator, steps: int = STEPS, response_fill: fl
 # ---- configs and plan -----------------------------------------------------------------------------
 def cell_config(est: Estimate, acc: Accelerator, data_root: str = "data") -> Config:
     """The run config of a cell: the paper's settings (the config's defaults, resolved for the cell's task
-    and workflow) with the cell's choices, the estimate's mesh, the rollout engine of `engine_plan` as
-    the engine runs today (one page pool, replicated on every chip: one rank's pages and slots), and
+    and workflow) with the cell's choices, the estimate's mesh, the rollout engine of `engine_plan` (one
+    page pool per batch rank: `sampling.max_cache_tokens` and `num_slots` are one rank's), and
     micro-batches of at most one longest row per data-parallel chip."""
     c, cfg = est.cell, Config()
     cfg.model, cfg.dtype, cfg.policy, cfg.steps = c.model, acc.dtype, c.policy, est.steps

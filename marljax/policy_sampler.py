@@ -73,7 +73,7 @@ class PolicySampler:
             st = self.settings
             ranks = 1 if st.mix_sets and self.lora_scale is not None else sharding.batch_ranks(self.mesh, self.rules)
             self.engines[key] = Engine(model, num_slots=ranks * st.num_slots, page_size=PAGE_SIZE, ranks=ranks,
-                                       num_pages=st.max_cache_tokens // PAGE_SIZE or None,
+                                       num_pages=st.max_cache_tokens // PAGE_SIZE + 1 if st.max_cache_tokens else None,
                                        prefill_tokens=st.prefill_tokens or None)
         return self.engines[key]
 

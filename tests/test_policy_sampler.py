@@ -48,15 +48,17 @@ def test_each_set_samples_from_its_own_weights():
 
 
 def test_max_cache_tokens_caps_the_page_pool():
-    """`max_cache_tokens` is the engine's page pool: 200 positions = 12 pages of 16 (one is the null
-    page), so requests wait for pages; the samples are those of an uncapped call (per-request streams)."""
+    """`max_cache_tokens` is the engine's page pool: 200 positions = 12 usable pages of 16 (besides the
+    null page), so requests wait for pages; the samples are those of an uncapped call (per-request
+    streams)."""
     model = load_model("tiny-qwen3", seed=0)
     settings = SamplerSettings(max_new_tokens=6, top_p=1.0, top_k=0, stop_token_ids=(), max_cache_tokens=200)
     capped = _sampler(model, {"a": _adapter(1)}, LORA.scale, settings)
     free = _sampler(model, {"a": _adapter(1)}, LORA.scale)
     got, want = capped.sample("a", PROMPTS * 2, 11, 0.7), free.sample("a", PROMPTS * 2, 11, 0.7)
     small, big = capped.engine("a").stats, free.engine("a").stats
-    assert small.pool_bytes < big.pool_bytes and small.peak_pages <= 11 < big.peak_pages
+    assert small.pool_bytes < big.pool_bytes and small.peak_pages <= 12 < big.peak_pages
+    assert capped.engine("a").num_pages == 13
     assert got.tokens == want.tokens
     np.testing.assert_allclose(np.concatenate(got.logprobs), np.concatenate(want.logprobs), atol=1e-6)
 
