@@ -20,7 +20,7 @@ LAYERS: dict[str, str] = {
     "marljax.tasks": "tasks",
     "marljax.workflows": "workflows",
     "marljax.rl": "rl",
-    **{f"marljax.{m}": "entry" for m in ("train", "evaluate", "report", "generate", "matrix", "config",
+    **{f"marljax.{m}": "entry" for m in ("train", "evaluate", "report", "compare", "generate", "matrix", "config",
                                          "checkpoint", "metrics", "aot", "_cli")},
     "marljax": "entry",
 }
