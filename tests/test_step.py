@@ -62,6 +62,8 @@ def _voting_update(n_voters, same_role_scale, episodes=4):
     delta = _delta(new["gen"], before["gen"])
     assert m["set/gen/step_delta"] == pytest.approx(delta, rel=1e-5)
     assert m["set/agg/step_delta"] == pytest.approx(_delta(new["agg"], before["agg"]), rel=1e-5)
+    # the aggregator set steps once: its mean update norm is that step's, not diluted by the voters' mini-batches
+    assert m["set/agg/update_norm"] == pytest.approx(m["set/agg/step_delta"], rel=1e-5)
     return delta, m["set/gen/opt_steps"], m["set/agg/opt_steps"]
 
 

@@ -94,8 +94,9 @@ def _worst(values) -> float:
 
 def average(steps: list[StepMetrics], sets: tuple[str, ...]) -> BatchMetrics:
     """Mini-batch means of host-side `StepMetrics` (`sets`: every set of the policy). A role's means run
-    over the mini-batches that hold it (`n_seq` > 0): an absent role does not dilute them; `logp_gap_max`
-    and a set's `nonfinite` take the worst mini-batch; `opt_steps` counts the applied updates."""
+    over the mini-batches that hold it (`n_seq` > 0), a set's over those it took part in (its update
+    applied, or skipped as non-finite): an absent role or set does not dilute them; `logp_gap_max` and a
+    set's `nonfinite` take the worst mini-batch; `opt_steps` counts the applied updates."""
     roles = {}
     for r in dict.fromkeys(r for m in steps for r in m.roles):
         every = [m.roles[r] for m in steps if r in m.roles]
@@ -106,7 +107,8 @@ def average(steps: list[StepMetrics], sets: tuple[str, ...]) -> BatchMetrics:
     out_sets = {}
     for s in dict.fromkeys(s for m in steps for s in m.sets):
         every = [m.sets[s] for m in steps if s in m.sets]
-        out_sets[s] = jax.tree.map(lambda *v: _mean(v), *every).replace(
+        held = [m for m in every if float(m.applied) > 0 or float(m.nonfinite) > 0] or every
+        out_sets[s] = jax.tree.map(lambda *v: _mean(v), *held).replace(
             nonfinite=_worst(m.nonfinite for m in every))
     cos = {pair: _mean([m.cos[pair] for m in steps if pair in m.cos])
            for pair in dict.fromkeys(p for m in steps for p in m.cos)}
