@@ -36,12 +36,14 @@ def config_value(cfg: dict, key: str) -> Any:
     return node
 
 
-def run_series(records: list[dict], metric: str, steps: tuple[int, int] | None = None) -> dict[int, float]:
-    """step → value of `metric` over the training records (those with a step ≥ 1) within `steps`."""
+def run_series(records: list[dict], metric: str, steps: tuple[int, int] | None = None, *,
+               base: bool = False) -> dict[int, float]:
+    """step → value of `metric` over the training records (those with a step ≥ 1) within `steps`; with
+    `base`, step 0 too (the eval before training)."""
     out = {}
     for r in records:
         v, s = r.get(metric), r.get("step", 0)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and s >= 1:
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and s >= (0 if base else 1):
             if steps is None or steps[0] <= s <= steps[1]:
                 out[int(s)] = float(v)
     return out
@@ -104,14 +106,14 @@ def table(conds: list[Condition], metrics: list[str], steps) -> str:
 
 
 def plot(conds: list[Condition], metric: str, out: pathlib.Path) -> pathlib.Path:
-    """Per-step mean over seeds per condition, the seeds' min–max shaded."""
+    """Per-step mean over seeds per condition (step 0, the base eval, included), the seeds' min–max shaded."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for c in conds:
-        series = [run_series(rec, metric) for _, rec in c.runs]
+        series = [run_series(rec, metric, base=True) for _, rec in c.runs]
         steps = sorted(set().union(*series))
         if not steps:
             continue

@@ -28,6 +28,8 @@ def test_groups_means_and_differences(tmp_path, capsys):
     assert [n for n, _ in conds[1].runs] == ["n3s0", "n3s1"]
     assert conds[1].per_run("set/generator/step_delta", None) == [5.0, 7.0]
     assert run_series(conds[0].runs[0][1], "set/generator/step_delta", (2, 3)) == {2: 2.0, 3: 3.0}
+    assert run_series(conds[0].runs[0][1], "eval/pass@1") == {} and run_series(
+        conds[0].runs[0][1], "eval/pass@1", base=True) == {0: 0.5}
 
     out = tmp_path / "cmp"
     main([str(r) for r in runs] + ["--by", "workflow.n_votes", "--metric", "set/generator/step_delta",
