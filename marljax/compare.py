@@ -139,7 +139,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", help="A:B, the training steps averaged (default: all)")
     p.add_argument("--out", type=pathlib.Path, help="output directory (default: the first run's parent)")
     args = p.parse_args(argv)
-    steps = tuple(int(x) for x in args.steps.split(":")) if args.steps else None
+    try:
+        steps = tuple(int(x) for x in args.steps.split(":")) if args.steps else None
+    except ValueError:
+        steps = ()
     if steps is not None and len(steps) != 2:
         raise SystemExit(f"--steps {args.steps!r}: give A:B, e.g. 1:12.")
     out = args.out or args.runs[0].parent

@@ -48,3 +48,5 @@ def test_one_seed_has_no_se_and_missing_config_is_named(tmp_path):
     (tmp_path / "bare").mkdir()
     with pytest.raises(SystemExit, match="no config.yaml"):
         conditions([tmp_path / "bare"], ["seed"])
+    with pytest.raises(SystemExit, match="give A:B"):
+        main([str(tmp_path / "bare"), "--by", "seed", "--metric", "x", "--steps", "a:b"])
