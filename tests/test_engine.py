@@ -1,6 +1,7 @@
 """Rollout engine: paged attention equals the dense cache's, greedy output equals the static sampler's with
 fewer slots than prompts, logprobs match a teacher-forced pass, sampling is per-request (independent of
 slots, chunking and the other prompts), identical prompts are prefilled once, pages all come back."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -190,7 +191,8 @@ def test_policy_sampler_keeps_a_pool_per_batch_rank_on_a_mesh():
 
 def test_paged_attention_path_by_backend():
     assert resolve_paged_attention("auto", "tpu") == "kernel"
-    assert resolve_paged_attention("auto", "cpu") == resolve_paged_attention("auto", "gpu") == "gather"
+    assert resolve_paged_attention("auto", "cpu") == "chunk"
+    assert resolve_paged_attention("auto", "gpu") == "gather"
     assert resolve_paged_attention("kernel", "cpu") == "kernel"
     with pytest.raises(ValueError, match="choose from"):
         resolve_paged_attention("flash")
@@ -212,6 +214,28 @@ def test_greedy_equals_static_sampler_with_few_slots(model):
         np.testing.assert_allclose(a, b, atol=1e-5)
     # peak pages: what was in flight, under the worst-case sizing the pool got
     assert 0 < engine.stats.peak_kv_bytes < engine.stats.pool_bytes
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_chunk_attention_equals_gather_attention(model, ranks):
+    """Decode chunks over a dense copy of the pages (`chunk`, written back at the chunk's end) against a
+    gather per step: the same sampled tokens and stops (T = 1, top-k, a stop token, 3 slots per rank
+    recycled, chunks of 5 steps over pages of 4), logprobs within 1e-5, and the same pools afterwards
+    (every page but the null page, which takes the padding rows' writes) within 1e-5."""
+    sp = SamplingParams(max_new_tokens=17, temperature=1.0, top_k=20, seed=3)
+    stop = Engine(model, num_slots=2 * ranks, ranks=ranks).generate(PROMPTS, sp).tokens[3][2]
+    sp = dataclasses.replace(sp, stop_token_ids=(stop,))
+    runs = {}
+    for att in ("gather", "chunk"):
+        engine = Engine(model, num_slots=3 * ranks, page_size=4, chunk_steps=5, attention=att, ranks=ranks)
+        runs[att] = engine, engine.generate(PROMPTS * 2, sp)
+    (eg, g), (ec, c) = runs["gather"], runs["chunk"]
+    assert c.tokens == g.tokens and c.finished == g.finished
+    assert any(c.finished) and not all(c.finished)
+    np.testing.assert_allclose(np.concatenate(c.logprobs), np.concatenate(g.logprobs), atol=1e-5)
+    for lg, lc in zip(eg._spare, ec._spare):
+        np.testing.assert_allclose(np.asarray(lc["kv"])[:, 1:], np.asarray(lg["kv"])[:, 1:], atol=1e-5)
+    assert eg.stats.peak_dense_bytes == 0 < ec.stats.peak_dense_bytes
 
 
 def test_sampled_logprobs_equal_teacher_forced_pass(model):

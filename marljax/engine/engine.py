@@ -45,7 +45,7 @@ from flax import nnx
 from marljax.engine.draw import SampleOutput, SamplingParams, sample_rows
 from marljax.engine.kv_pages import (NULL_PAGE, PagePool, copy_pages, grow_pages, init_pages, page_bytes, pages_for,
                                      pool_pages)
-from marljax.engine.paged_attention import paged_cache_attention
+from marljax.engine.paged_attention import dense_cache, paged_cache_attention, resolve_paged_attention, write_back
 from marljax.engine.scheduler import Scheduler, rank_rows
 from marljax.models.decoder import Decoder
 from marljax.models.lora import stack_adapters
@@ -69,6 +69,9 @@ class EngineStats:
     peak_pages: int = 0
     peak_kv_bytes: int = 0  # peak_pages × bytes of a page across layers
     pool_bytes: int = 0  # the page pools of all ranks as allocated
+    # the chunk attention path's dense copy of the decode rows' pages (rows × width pages across layers,
+    # held during one decode chunk beside the pool): its largest, 0 on the other paths
+    peak_dense_bytes: int = 0
 
 
 class Engine:
@@ -283,6 +286,8 @@ class Stream:
                 b["live"], self.keys_nk[b["request"]], jnp.int32(self.params.max_new_tokens), lora,
                 steps=e.chunk_steps, stops=self.stops, attention=e.attention, **self.sampling)
             out = jax.tree.map(np.asarray, out)
+            if resolve_paged_attention(e.attention) == "chunk":
+                stats.peak_dense_bytes = max(stats.peak_dense_bytes, b["page_table"].size * page_bytes(e.model.config, e.page_size))
             stats.decode_chunks += 1
             stats.decode_steps += int(out["steps"]) * rows
             sched.advance(out["tok"], out["logp"], out["n_gen"], out["token"], out["pos"], out["hit"], out["done"])
@@ -348,7 +353,9 @@ def _decode_chunk(graphdef, state, layers, pages, table_sw, token_s, pos_s, n_ge
     model = nnx.merge(graphdef, state)
     S = token_s.shape[0]
     stop_ids = jnp.asarray(stops, jnp.int32)
-    attend = paged_cache_attention(table_sw, attention)
+    chunk = resolve_paged_attention(attention) == "chunk"
+    attend = None if chunk else paged_cache_attention(table_sw, attention)
+    kv = [dense_cache(layer["kv"], table_sw) for layer in pages] if chunk else pages
 
     def cond(carry):
         return (carry["i"] < steps) & ~jnp.all(carry["done"])
@@ -367,10 +374,16 @@ def _decode_chunk(graphdef, state, layers, pages, table_sw, token_s, pos_s, n_ge
                 "n_gen": n_gen, "hit": c["hit"] | hit, "done": done,
                 "token": jnp.where(done, c["token"], tok), "pos": c["pos"] + ~done}
 
-    carry = {"i": jnp.int32(0), "pages": pages, "tok": jnp.zeros((S, steps), jnp.int32),
+    carry = {"i": jnp.int32(0), "pages": kv, "tok": jnp.zeros((S, steps), jnp.int32),
              "logp": jnp.zeros((S, steps), jnp.float32), "n_gen": n_gen_s, "hit": jnp.zeros(S, bool),
              "done": ~live_s, "token": token_s, "pos": pos_s}
     c = jax.lax.while_loop(cond, body, carry)
-    pages = c.pop("pages")
+    kv = c.pop("pages")
+    if chunk:  # a running row's last write is one before its next position
+        last_s = jnp.where(c["done"], c["pos"], c["pos"] - 1)
+        pages = [{"kv": write_back(layer["kv"], cache, table_sw, pos_s, last_s, steps)}
+                 for layer, cache in zip(pages, kv)]
+    else:
+        pages = kv
     c["steps"] = c.pop("i")
     return pages, c
