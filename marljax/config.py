@@ -147,7 +147,7 @@ class SamplingSection:
     top_p: float = SamplingParams.top_p  # 1: off
     top_k: int = SamplingParams.top_k  # 0: off
     max_cache_tokens: int = 0  # KV positions each batch rank's page pool of the rollout engine holds (0: grows)
-    num_slots: int = 64  # sequences the rollout engine decodes at once per batch rank (mix_sets: in all, one pool)
+    num_slots: int = 64  # sequences the rollout engine decodes at once per batch rank
     prefill_tokens: int = 0  # positions one prefill call of the engine computes (chunked prefill); 0: a whole prompt
     mix_sets: bool = False  # LoRA: decode every parameter set in one batch (per-row adapters, no merged copies)
 

@@ -9,8 +9,8 @@ per set. `sample` is one batch call; `stream` takes requests of any set as they 
 The engine keeps one page pool per batch rank of the mesh (`sharding.batch_ranks`: each chip holds its
 own rows' pages), so `num_slots` and `max_cache_tokens` are per rank: a rank decodes `num_slots`
 sequences at once and its pool holds `max_cache_tokens` KV positions (0: the pools grow as needed).
-With `mix_sets` (per-row adapters, which need each set's rows contiguous over the whole batch) the
-engine keeps one pool, replicated on every chip, and `num_slots` sequences in all.
+With `mix_sets` the rows of every LoRA set decode in one batch, each applying its own adapter (per rank
+block, `engine.scheduler.block_groups`).
 """
 from __future__ import annotations
 
@@ -65,13 +65,13 @@ class PolicySampler:
     def engine(self, set_name: str) -> Engine:
         """The engine set `set_name` decodes on: the base's, shared by every LoRA set; under full
         fine-tuning one per set (its embeddings, norms and head are trained too). One page pool per
-        batch rank of the mesh (one in all with `mix_sets`: see the module docstring)."""
+        batch rank of the mesh."""
         key = set_name if self.lora_scale is None else ""
         if key not in self.engines:
             model = self.model if self.lora_scale is not None else nnx.merge(
                 nnx.graphdef(self.model), self.params_by_set[set_name])
             st = self.settings
-            ranks = 1 if st.mix_sets and self.lora_scale is not None else sharding.batch_ranks(self.mesh, self.rules)
+            ranks = sharding.batch_ranks(self.mesh, self.rules)
             self.engines[key] = Engine(model, num_slots=ranks * st.num_slots, page_size=PAGE_SIZE, ranks=ranks,
                                        num_pages=st.max_cache_tokens // PAGE_SIZE + 1 if st.max_cache_tokens else None,
                                        prefill_tokens=st.prefill_tokens or None)

@@ -46,7 +46,7 @@ from marljax.engine.draw import SampleOutput, SamplingParams, sample_rows
 from marljax.engine.kv_pages import (NULL_PAGE, PagePool, copy_pages, grow_pages, init_pages, page_bytes, pages_for,
                                      pool_pages)
 from marljax.engine.paged_attention import dense_cache, paged_cache_attention, resolve_paged_attention, write_back
-from marljax.engine.scheduler import Scheduler, rank_rows
+from marljax.engine.scheduler import Scheduler, block_groups, rank_rows
 from marljax.models.decoder import Decoder
 from marljax.models.lora import stack_adapters
 from marljax.shapes import bucket
@@ -106,12 +106,8 @@ class Engine:
         model's own). With `adapters` (G LoRA adapters of one format), every request names its set
         (`submit(..., group=g)`) and one batch mixes them: each row adds its own adapter's
         lora_scale·(x A) B to the shared `layers` (`Decoder.hidden`'s `lora_groups`), no merged copy per
-        set; one rank only (the adapters' ragged matmul needs each set's rows contiguous over the whole
-        batch, which rank blocks break)."""
-        if adapters is not None and self.ranks > 1:
-            raise ValueError(f"per-row adapters with ranks={self.ranks} are not supported: each set's rows must "
-                             "be contiguous over the whole batch, and rows are laid out in rank blocks; use "
-                             "ranks=1 or one stream per set (`layers`).")
+        set. The adapters' ragged matmul needs each group's rows contiguous: with rank blocks, the groups
+        are (rank, set), the adapters stacked once per rank (`scheduler.block_groups`)."""
         return Stream(self, params, self.model.layer_list() if layers is None else layers,
                       None if adapters is None else stack_adapters(adapters), lora_scale)
 
@@ -163,9 +159,9 @@ class Engine:
                 own = p.full_pages + ([p.partial_page] if p.partial_page is not None else [])
                 table_nw[i, : len(own)] = own
         if lora is not None:
-            num_sets = jax.tree.leaves(lora["lora"])[0].shape[0]
-            groups_g = np.bincount([p.group for p in prefixes], minlength=num_sets).astype(np.int32)
-            lora = {**lora, "lora_groups": groups_g}
+            num_sets = jax.tree.leaves(lora["lora"])[0].shape[0] // self.ranks
+            lora = {**lora, "lora_groups": block_groups([(p.rank, p.group) for p in prefixes], self.ranks, per_rank,
+                                                         num_sets)}
         hidden_nd, starts = None, range(0, max(todo), C)
         for c0 in starts:
             tokens_nc = np.zeros((n, C), np.int32)
@@ -199,7 +195,9 @@ class Stream:
                  lora_scale: float):
         self.engine, self.params, self.layers = engine, params, layers
         num_groups = 1 if lora is None else jax.tree.leaves(lora)[0].shape[0]
-        self.lora = None if lora is None else {"lora": lora, "lora_scale": jnp.float32(lora_scale)}
+        self.lora = None if lora is None else {  # one copy per rank block (`scheduler.block_groups`)
+            "lora": jax.tree.map(lambda x: jnp.tile(x, (engine.ranks,) + (1,) * (x.ndim - 1)), lora),
+            "lora_scale": jnp.float32(lora_scale)}
         cfg, ps = engine.model.config, engine.page_size
         self.growable = not engine.num_pages
         spare = pool_pages(engine._spare) if engine._spare is not None else 2

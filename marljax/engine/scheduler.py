@@ -96,6 +96,19 @@ def rank_rows(ranks: list[int], num_ranks: int, cap: int | None = None) -> tuple
     return rows, per_rank
 
 
+def block_groups(rank_set: list[tuple[int, int]], num_ranks: int, per_rank: int, num_sets: int) -> np.ndarray:
+    """Per-row adapter groups for rows in rank blocks (`rank_rows`), each block's rows sorted by set:
+    int32 [R·G], the rows of (rank r, set g) at r·G + g (adapters stacked R times over, rank-major), so
+    every group is contiguous. A block's idle rows join its last set's group (their outputs are unread),
+    but the last block's, which stay past the groups' sum (no adapter)."""
+    groups = np.zeros(num_ranks * num_sets, np.int32)
+    for r, g in rank_set:
+        groups[r * num_sets + g] += 1
+    for r in range(num_ranks - 1):
+        groups[r * num_sets + num_sets - 1] += per_rank - groups[r * num_sets: (r + 1) * num_sets].sum()
+    return groups
+
+
 class Scheduler:
     """See the module docstring. Request ids are the prompts' indices in `submit` order. `pools`: one
     `PagePool` per rank, of equal size; `num_slots` a multiple of their number."""
@@ -330,7 +343,7 @@ class Scheduler:
         busiest rank runs (rounded up to a power of two, at most its slots), rank r's sequences first in
         block r in `running` order, the rest idle. Page tables [rows, width] (pool-local page ids,
         null-padded), next input token, its position, tokens generated so far, request id (its RNG
-        stream), liveness, and the rows of each parameter set ("groups" [num_groups]). Rows, not slots: a
+        stream), liveness, and the rows of each rank's parameter sets ("groups" [R·num_groups], `block_groups`). Rows, not slots: a
         chunk computes only as many rows as are running (rounded up), so the tail of a call runs at a
         small batch. The row → slot map is kept for `advance`."""
         slots = [s for s, _ in self.running]
@@ -339,11 +352,11 @@ class Scheduler:
         out = {"page_table": np.full((rows, width), NULL_PAGE, np.int32), "token": np.zeros(rows, np.int32),
                "pos": np.zeros(rows, np.int32), "n_gen": np.zeros(rows, np.int32),
                "request": np.zeros(rows, np.int32), "live": np.zeros(rows, bool),
-               "groups": np.zeros(self.num_groups, np.int32)}
+               "groups": block_groups([(self.rank_of(s), q.prefix.group) for s, q in self.running], self.ranks,
+                                      per_rank, self.num_groups)}
         self.rows = list(zip(at, slots))
         for r, s in self.rows:
             q = self.slots[s]
-            out["groups"][q.prefix.group] += 1
             out["page_table"][r, : len(q.pages)] = q.pages
             out["token"][r], out["pos"][r], out["n_gen"][r] = q.token, q.pos, q.n_gen
             out["request"][r], out["live"][r] = q.request, True
