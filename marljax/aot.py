@@ -465,7 +465,7 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
     from marljax.engine.engine import _decode_chunk, _prefill
     from marljax.engine.kv_pages import pool_shape
     from marljax.models.presets import PRESETS
-    from marljax.shapes import bucket
+    from marljax.shapes import page_bucket
 
     model_cfg, mesh, rules, model = _abstract_model(cfg, devices, layers)
     dims = tuple(mesh.shape[a] for a in sharding.MESH_AXES)
@@ -484,7 +484,7 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
     shape = pool_shape(model_cfg, plan.pages, plan.page_size, plan.ranks)
     pool = [{"kv": arr(model_cfg.jnp_dtype, ("batch", None, None, "act_kv_heads", "head_dim"), *shape)}
             for _ in range(model_cfg.num_layers)]
-    rows, width = plan.ranks * plan.slots, bucket(-(-plan.context // plan.page_size))
+    rows, width = plan.ranks * plan.slots, page_bucket(-(-plan.context // plan.page_size))
     n, T = plan.ranks, plan.prefill_chunk  # the widest chunk of the longest prompt, its pages attended
     sampling = dict(temperature=float(cfg.sampling.temperature), top_p=float(cfg.sampling.top_p),
                     top_k=int(cfg.sampling.top_k))
@@ -508,7 +508,7 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
         decode = _program(*_compile(decode_traced))
         prefill_traced = holding(_prefill, attention="kernel").trace(
             held, state_abs, layer_abs, pool, arr(jnp.int32, ("batch", None), n, T), arr(jnp.int32, ("batch",), n),
-            arr(jnp.int32, ("batch", None), n, bucket(-(-plan.prompt // plan.page_size))),
+            arr(jnp.int32, ("batch", None), n, page_bucket(-(-plan.prompt // plan.page_size))),
             arr(jnp.int32, ("batch",), n), None)
         prefill = _program(*_compile(prefill_traced))
     compile_s = time.perf_counter() - t0

@@ -2,7 +2,8 @@
 
 Every jitted program compiles once per input shape, so sizes are rounded up to a small set: the sampler
 pads its batch rows with `bucket_rows` and its prompt block with `bucket`, the train step pads its rows
-with `bucket_rows` and its sequences with `length_bucket`.
+with `bucket_rows` and its sequences with `length_bucket`, the rollout engine its page tables with
+`page_bucket`.
 """
 from __future__ import annotations
 
@@ -21,6 +22,13 @@ def bucket_rows(n: int) -> int:
         return p
     step = max(8, p // 16)
     return -(-n // step) * step
+
+
+def page_bucket(n: int) -> int:
+    """Page-table width for n pages: ¾·p or p (p = bucket(n)), two shapes per doubling, under 1.5 n where
+    a power of two is up to 2 n (decode attention reads every page of the width)."""
+    p = bucket(n)
+    return 3 * p // 4 if p >= 4 and n <= 3 * p // 4 else p
 
 
 def length_bucket(n: int) -> int:

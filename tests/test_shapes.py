@@ -22,3 +22,11 @@ def test_lengths_take_two_shapes_per_doubling_in_multiples_of_16():
         b = length_bucket(n)
         assert n <= b and b % 16 == 0 and length_bucket(b) == b
         assert b - n < max(16, bucket(n) // 4), (n, b)
+
+
+def test_page_bucket_takes_three_quarters_or_the_power_of_two():
+    from marljax.shapes import page_bucket
+    assert [page_bucket(n) for n in (1, 2, 3, 4, 5, 6, 7, 9, 12, 13, 21, 24, 25)] == [1, 2, 3, 4, 6, 6, 8, 12, 12, 16,
+                                                                                      24, 24, 32]
+    assert all(n <= page_bucket(n) < 1.5 * n for n in range(3, 3000))
+    assert len({page_bucket(n) for n in range(1025, 2049)}) == 2

@@ -15,15 +15,15 @@ every chip holds its own rank's pages only); a sequence's pages come from its sl
 are prefilled per rank (`marljax.engine.scheduler`). Prefill and decode batches are laid out in rank
 blocks: R blocks of equal rows, block r's page tables indexing pool r (`paged_attention.flat_pages`).
 
-Shapes are static per chunk and bucketed to powers of two: prefill rows (per rank) and prompt length,
+Shapes are static per chunk and bucketed: prefill rows (per rank) and prompt length to powers of two,
 the decode rows (per rank: the busiest rank's running sequences, at most its slots; the tail of a call
-runs at a small batch), the page-table width in pages (attention reads the pages in flight, rounded up)
-and the pool; a run compiles a handful of times. Each rank's pool is `num_pages` pages, or (None) all
-grow together by powers of two to what the busiest rank's admitted sequences may need at worst; the
-pools are kept for the engine's next stream. `prefill_tokens`
-bounds one prefill call to rows × chunk ≤ that many positions (chunked prefill): long prompts are
-prefilled chunk after chunk, each attending the pages the chunks before it wrote, so a 30k-token
-Eval-Opt history costs the activations of one chunk, not of the whole prompt.
+runs at a small batch) too, the page-table width in pages two per doubling (`shapes.page_bucket`:
+attention reads the pages in flight, rounded up), and the pool; a run compiles a handful of times. Each
+rank's pool is `num_pages` pages, or (None) all grow together by powers of two to what the busiest
+rank's admitted sequences may need at worst; the pools are kept for the engine's next stream.
+`prefill_tokens` bounds one prefill call to rows × chunk ≤ that many positions (chunked prefill): long
+prompts are prefilled chunk after chunk, each attending the pages the chunks before it wrote, so a
+30k-token Eval-Opt history costs the activations of one chunk, not of the whole prompt.
 
 Randomness is per request, not per batch: a request draws its t-th token with fold_in(key, t), its own
 key whatever else is in flight (`generate`: request i's key is fold_in(key(seed), i)), so outputs do not
@@ -49,7 +49,7 @@ from marljax.engine.paged_attention import dense_cache, paged_cache_attention, r
 from marljax.engine.scheduler import Scheduler, block_groups, rank_rows
 from marljax.models.decoder import Decoder
 from marljax.models.lora import stack_adapters
-from marljax.shapes import bucket
+from marljax.shapes import bucket, page_bucket
 
 PREFILL_CHUNK_MIN = 16  # positions: the shortest prefill call (prompt lengths bucket up from here)
 
@@ -152,7 +152,7 @@ class Engine:
         todo = [len(p.prompt) - s if p else 0 for p, s in zip(rows, start)]
         T = bucket(max(todo), PREFILL_CHUNK_MIN)
         C = prefill_chunk(self.prefill_tokens, n, T)
-        width = bucket(pages_for(max(start) + T, ps))
+        width = page_bucket(pages_for(max(start) + T, ps))
         table_nw = np.zeros((n, width), np.int32)
         for i, p in enumerate(rows):
             if p is not None:
@@ -275,7 +275,7 @@ class Stream:
             tok, logp = _first_tokens(e.graphdef, e.state, hidden_md, self.keys_nk[req], **self.sampling)
             sched.started(adm.members, np.asarray(tok), np.asarray(logp), set(self.params.stop_token_ids))
         if sched.running:
-            width = bucket(sched.grow(e.chunk_steps))
+            width = page_bucket(sched.grow(e.chunk_steps))
             b = sched.batch(width)
             rows = len(b["token"])
             lora = None if self.lora is None else {**self.lora, "lora_groups": b["groups"]}
