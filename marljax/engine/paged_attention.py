@@ -17,9 +17,9 @@ attends the keys at positions ≤ its own. `impl` (`PAGED_ATTENTIONS`):
           pages are gathered once per decode chunk into a dense cache (`dense_cache`, the layouts the
           decoder's cache attention reads in place), the chunk's steps decode over it as the static
           sampler does, and the positions they wrote go back into the pages at the end (`write_back`).
-          On XLA CPU a gather per step costs more than the attention it feeds (a 64-row decode step of
-          SmolLM2-135M: 1.23× faster with chunk, bench/rollout.py); the price is a transient dense copy
-          of the rows in flight (`EngineStats.peak_dense_bytes`)
+          On XLA CPU a gather per step costs more than the attention it feeds (SmolLM2-135M, 64 rows:
+          6.8 ms per layer dense, 44 ms gathered; engine throughput 1.7× with chunk, docs/benchmarks.md);
+          the price is a transient dense copy of the rows in flight (`EngineStats.peak_dense_bytes`)
   auto    the kernel when the code is traced for a TPU (`models.attention.target_backend`), chunk on a
           CPU, gather elsewhere.
 There is no GPU kernel here (Pallas' GPU paged attention is not wired in: no GPU to check it on); a GPU
