@@ -1,7 +1,8 @@
 """`python -m marljax.report RUN_DIR [RUN_DIR ...] [--out DIR]`: report.md + PNG plots of runs.
 
 Per run: accuracy vs step (base line, peak, final, cliff marker), per-role gradient norm and mass share,
-per-role output length and parse-failure rate, optimizer steps per set. For several runs, a paper-style table:
+per-role output length and parse-failure rate, optimizer steps per set. For several runs, the paper's table
+over conditions (runs whose configs differ only in their seed; `condition_table`), then a paper-style table:
 cell, base, peak (step), final, Δ vs base ± its noise, Δ vs the single-agent run of the same task and model
 when one is among the runs, cliff, dominant role. Every number in the table comes from metrics.jsonl through
 `summarize`, except the noise and the SA-transfer column (below). The noise is one standard error of the
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from marljax.compare import mean_se
 from marljax.metrics import read_metrics
 from marljax.rl.diagnostics import CliffConfig, detect_cliff
 
@@ -61,7 +63,7 @@ def summarize(run_dir: str | pathlib.Path) -> dict[str, Any]:
     if steps:
         s = detect_cliff(steps, acc, total_steps=total, cfg=cliff_cfg)
         out.update(base=s["base"], peak=s["peak"], peak_step=s["best_step"], final=s["final"],
-                   delta=s["final"] - s["base"], cliff=bool(s["cliff"]))
+                   delta=s["final"] - s["base"], cliff=bool(s["cliff"]), curve=dict(zip(steps, acc)))
         out.update(_lift_noise(run_dir, steps[0], steps[-1], s["base"], s["final"], _eval_sizes(records)))
     doms = [r["diag/dominant_role"] for r in records if "diag/dominant_role" in r]
     shares = [r["diag/dominant_share"] for r in records if isinstance(r.get("diag/dominant_share"), float)
@@ -261,6 +263,82 @@ def table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+SEED_KEYS = ("seed", "run_dir")  # what may differ between the seeds of one condition
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(node, dict):
+        return {prefix: node}
+    return {k: v for key, sub in node.items() for k, v in _flat(sub, f"{prefix}{key}.").items()} if node else {}
+
+
+def conditions(summaries: list[dict], configs: list[dict]) -> list[tuple[str, list[dict]]]:
+    """Runs grouped into conditions: configs equal but for `SEED_KEYS` (a key one config lacks, e.g. one
+    added to the config after a run, is not a difference). A condition's label is its cell plus the config
+    values that tell it apart from the other conditions (e.g. `workflow.n_votes=5, rl.same_role_scale=True`)."""
+    flat = [{k.rstrip("."): v for k, v in _flat(c).items() if k.rstrip(".") not in SEED_KEYS} for c in configs]
+
+    def same(a: dict, b: dict) -> bool:
+        return all(a[k] == b[k] for k in a.keys() & b.keys())
+
+    groups: list[list[int]] = []
+    for i, f in enumerate(flat):
+        home = next((g for g in groups if same(flat[g[0]], f)), None)
+        home.append(i) if home is not None else groups.append([i])
+    firsts = [flat[g[0]] for g in groups]
+    keys = sorted({k for a in firsts for b in firsts for k in a.keys() & b.keys() if a[k] != b[k]}
+                  - {"workflow.name", "task.name", "model", "policy"})
+    out = []
+    for g in groups:
+        tell = ", ".join(f"{k}={flat[g[0]][k]}" for k in keys if k in flat[g[0]])
+        out.append((summaries[g[0]]["cell"] + (f" ({tell})" if tell else ""), [summaries[i] for i in g]))
+    return out
+
+
+def _mean_fmt(values: list[float], noise: float | None = None) -> tuple[str, float, float]:
+    """`mean ± s.e. over seeds` (one seed: ± `noise`, that run's own s.e., when given)."""
+    mu, se = mean_se(values)
+    if math.isnan(se) and noise is not None:
+        se = noise
+    return (_fmt(mu) + ("" if math.isnan(se) else f" ± {se:.3f}")), mu, se
+
+
+def condition_table(summaries: list[dict], configs: list[dict]) -> str:
+    """Markdown, the paper's form over seeds: per condition base, peak (step) of the seed-mean eval curve,
+    final and Δ vs base as mean ± 1 s.e. over seeds (one seed: its paired s.e.), Δ vs the single-agent
+    condition of the same task and model (± √(se_a² + se_b²)), cliffs (runs flagged of runs), dominant role."""
+    conds = [(label, [s for s in runs if "final" in s]) for label, runs in conditions(summaries, configs)]
+    conds = [(label, runs) for label, runs in conds if runs]
+    finals = {label: mean_se([s["final"] for s in runs]) for label, runs in conds}
+    lines = ["| condition | seeds | base | peak (step) | final | Δ vs base | Δ vs single | cliff | dominant role |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for label, runs in conds:
+        steps = sorted(set.intersection(*(set(s["curve"]) for s in runs)))
+        curve = {t: float(np.mean([s["curve"][t] for s in runs])) for t in steps}
+        peak_step = max(curve, key=curve.get) if curve else None
+        final, mu, se = _mean_fmt([s["final"] for s in runs])
+        delta = _mean_fmt([s["delta"] for s in runs], runs[0].get("noise") if len(runs) == 1 else None)[0]
+        single = next((lab for lab, rs in conds if rs[0].get("workflow") == "single" and runs[0].get("workflow")
+                       != "single" and (rs[0].get("task"), rs[0].get("model")) == (runs[0].get("task"),
+                                                                                 runs[0].get("model"))), None)
+        vs = "–"
+        if single:
+            smu, sse = finals[single]
+            d_se = math.hypot(se, sse)
+            vs = _fmt(mu - smu) + ("" if math.isnan(d_se) else f" ± {d_se:.3f}")
+        doms = [s["dominant_role"] for s in runs if "dominant_role" in s]
+        dom = "–"
+        if doms:
+            role = max(set(doms), key=doms.count)
+            share = np.mean([s["dominant_share"] for s in runs if s.get("dominant_role") == role])
+            dom = f"{role} ({doms.count(role)}/{len(runs)} runs, final share {share:.2f})"
+        base = _mean_fmt([s["base"] for s in runs])[0]
+        peak = f"{_fmt(curve[peak_step])} ({peak_step})" if curve else "–"
+        lines.append(f"| {label} | {len(runs)} | {base} | {peak} | {final} | {delta} | {vs} | "
+                     f"{sum(s['cliff'] for s in runs)}/{len(runs)} | {dom} |")
+    return "\n".join(lines)
+
+
 def evals_table(summaries: list[dict]) -> str:
     """Markdown table of every checkpoint eval: which state (newest or peak) at which step, on which
     workflow (and transfer mode), pass@1 ± its binomial s.e. over n × k episodes."""
@@ -279,7 +357,10 @@ def write_report(run_dirs: list[str | pathlib.Path], out: str | pathlib.Path | N
     out_dir = pathlib.Path(out) if out else run_dirs[0]
     out_dir.mkdir(parents=True, exist_ok=True)
     summaries = [{**summarize(d), "evals": read_evals(d)} for d in run_dirs]
-    parts = ["# marljax report", "", table(summaries), ""]
+    parts = ["# marljax report", "", "## Conditions", "",
+             "Runs whose configs differ only in `seed` are one condition; ± is 1 s.e. over its seeds (one seed: "
+             "the paired s.e. of its Δ). Peak: of the seed-mean eval curve. Cliff: runs flagged of runs.", "",
+             condition_table(summaries, [_config(d) for d in run_dirs]), "", "## Runs", "", table(summaries), ""]
     if any(s["evals"] for s in summaries):
         parts += ["## Checkpoint evaluations", "", evals_table(summaries), ""]
     for d in run_dirs:
