@@ -91,6 +91,12 @@ def test_dominant_role_over_a_window():
     assert full.mean_shares() == pytest.approx({"generator": (1 + 1.5 + 0.3 + 0.2 + 0.1) / 6,
                                                 "aggregator": (0.5 + 2.4) / 6})
     assert full.index() == ("generator", pytest.approx(3.1 / 6))
+    silent = DominanceTracker(window=2)
+    for _ in range(2):
+        silent.update({"orchestrator": 0.0, "worker": 0.0})  # reward 0 everywhere: no gradient
+    assert silent.index() == (None, 0.0)
+    silent.update({"orchestrator": 0.0, "worker": 1.0})
+    assert silent.index() == ("worker", 0.5)
     again = DominanceTracker.from_state_dict(json.loads(json.dumps(d.state_dict())))
     assert again.summary() == d.summary() == {"dominant_role": "aggregator", "dominance": pytest.approx(0.8),
                                               "n_roles": 2, "window_used": 3}

@@ -158,12 +158,13 @@ class DominanceTracker:
         return {r: sum(h.get(r, 0.0) for h in self.history) / n for r in roles}
 
     def index(self) -> tuple[str | None, float]:
-        """(dominant role, its windowed mean share); (None, nan) before any update."""
+        """(dominant role, its windowed mean share); (None, nan) before any update, (None, 0.0) when no role
+        had a gradient in the window (flat GRPO groups everywhere: nothing to dominate)."""
         means = self.mean_shares()
         if not means:
             return None, math.nan
         role = max(means, key=means.get)
-        return role, means[role]
+        return (role, means[role]) if means[role] > 0 else (None, 0.0)
 
     def summary(self) -> dict[str, Any]:
         role, value = self.index()
