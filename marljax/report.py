@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
+import re
 from typing import Any
 
 import numpy as np
@@ -54,18 +56,20 @@ def summarize(run_dir: str | pathlib.Path) -> dict[str, Any]:
     steps, acc = _series(records, "eval/pass@1")
     diag = cfg.get("diagnostics", {})
     cliff_cfg = CliffConfig(min_drop=diag.get("cliff_drop", 0.05), window_frac=diag.get("cliff_window", 0.25))
-    total = int(cfg.get("steps") or (steps[-1] if steps else 0)) or None
+    last = max((r["step"] for r in records), default=0)  # a run stopped early ends there, not at cfg steps
+    total = min(int(cfg.get("steps") or last), last) or None
     workflow, task = cfg.get("workflow", {}).get("name"), cfg.get("task", {}).get("name")
     out: dict[str, Any] = {
         "run": run_dir.name, "workflow": workflow, "task": task, "model": cfg.get("model"),
         "cell": "/".join(str(x) for x in (workflow, task, cfg.get("model"), _policy_name(cfg.get("policy")))),
-        "steps": max((r["step"] for r in records), default=0)}
+        "steps": last}
     if steps:
         s = detect_cliff(steps, acc, total_steps=total, cfg=cliff_cfg)
         out.update(base=s["base"], peak=s["peak"], peak_step=s["best_step"], final=s["final"],
                    delta=s["final"] - s["base"], cliff=bool(s["cliff"]), curve=dict(zip(steps, acc)))
         out.update(_lift_noise(run_dir, steps[0], steps[-1], s["base"], s["final"], _eval_sizes(records)))
-    doms = [r["diag/dominant_role"] for r in records if "diag/dominant_role" in r]
+    doms = [r["diag/dominant_role"] for r in records if "diag/dominant_role" in r
+            and r.get("diag/dominant_share", 1.0) > 0]  # share 0: no gradient, nothing dominated (older runs)
     shares = [r["diag/dominant_share"] for r in records if isinstance(r.get("diag/dominant_share"), float)
               and math.isfinite(r["diag/dominant_share"])]
     if doms:
@@ -272,10 +276,11 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
     return {k: v for key, sub in node.items() for k, v in _flat(sub, f"{prefix}{key}.").items()} if node else {}
 
 
-def conditions(summaries: list[dict], configs: list[dict]) -> list[tuple[str, list[dict]]]:
+def conditions(summaries: list[dict], configs: list[dict]) -> list[tuple[str, str, list[dict]]]:
     """Runs grouped into conditions: configs equal but for `SEED_KEYS` (a key one config lacks, e.g. one
-    added to the config after a run, is not a difference). A condition's label is its cell plus the config
-    values that tell it apart from the other conditions (e.g. `workflow.n_votes=5, rl.same_role_scale=True`)."""
+    added to the config after a run, is not a difference). Each is (name, settings, runs): the name is the
+    runs' common name without its seed suffix (`amp-n5-s0`, `amp-n5-s1` → `amp-n5`), the settings are the
+    config values that tell it apart from the other conditions (`workflow.n_votes=5, …`)."""
     flat = [{k.rstrip("."): v for k, v in _flat(c).items() if k.rstrip(".") not in SEED_KEYS} for c in configs]
 
     def same(a: dict, b: dict) -> bool:
@@ -286,12 +291,15 @@ def conditions(summaries: list[dict], configs: list[dict]) -> list[tuple[str, li
         home = next((g for g in groups if same(flat[g[0]], f)), None)
         home.append(i) if home is not None else groups.append([i])
     firsts = [flat[g[0]] for g in groups]
-    keys = sorted({k for a in firsts for b in firsts for k in a.keys() & b.keys() if a[k] != b[k]}
-                  - {"workflow.name", "task.name", "model", "policy"})
-    out = []
+    keys = sorted({k for a in firsts for b in firsts for k in a.keys() & b.keys() if a[k] != b[k]})
+    out, used = [], set()
     for g in groups:
-        tell = ", ".join(f"{k}={flat[g[0]][k]}" for k in keys if k in flat[g[0]])
-        out.append((summaries[g[0]]["cell"] + (f" ({tell})" if tell else ""), [summaries[i] for i in g]))
+        stem = os.path.commonprefix([summaries[i]["run"] for i in g])
+        stem = re.sub(r"[-_]?(s|seed)?\d*$", "", stem) if len(g) > 1 else re.sub(r"[-_](s|seed)\d+$", "", stem)
+        settings = ", ".join(f"{k}={flat[g[0]][k]}" for k in keys if k in flat[g[0]])
+        name = stem if stem and stem not in used else summaries[g[0]]["run"]
+        used.add(name)
+        out.append((name, settings, [summaries[i] for i in g]))
     return out
 
 
@@ -307,18 +315,19 @@ def condition_table(summaries: list[dict], configs: list[dict]) -> str:
     """Markdown, the paper's form over seeds: per condition base, peak (step) of the seed-mean eval curve,
     final and Δ vs base as mean ± 1 s.e. over seeds (one seed: its paired s.e.), Δ vs the single-agent
     condition of the same task and model (± √(se_a² + se_b²)), cliffs (runs flagged of runs), dominant role."""
-    conds = [(label, [s for s in runs if "final" in s]) for label, runs in conditions(summaries, configs)]
-    conds = [(label, runs) for label, runs in conds if runs]
-    finals = {label: mean_se([s["final"] for s in runs]) for label, runs in conds}
-    lines = ["| condition | seeds | base | peak (step) | final | Δ vs base | Δ vs single | cliff | dominant role |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for label, runs in conds:
+    conds = [(name, settings, [s for s in runs if "final" in s])
+             for name, settings, runs in conditions(summaries, configs)]
+    conds = [c for c in conds if c[2]]
+    finals = {name: mean_se([s["final"] for s in runs]) for name, _, runs in conds}
+    lines = ["| condition | cell | seeds | base | peak (step) | final | Δ vs base | Δ vs single | cliff | "
+             "dominant role |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, _, runs in conds:
         steps = sorted(set.intersection(*(set(s["curve"]) for s in runs)))
         curve = {t: float(np.mean([s["curve"][t] for s in runs])) for t in steps}
         peak_step = max(curve, key=curve.get) if curve else None
         final, mu, se = _mean_fmt([s["final"] for s in runs])
         delta = _mean_fmt([s["delta"] for s in runs], runs[0].get("noise") if len(runs) == 1 else None)[0]
-        single = next((lab for lab, rs in conds if rs[0].get("workflow") == "single" and runs[0].get("workflow")
+        single = next((lab for lab, _, rs in conds if rs[0].get("workflow") == "single" and runs[0].get("workflow")
                        != "single" and (rs[0].get("task"), rs[0].get("model")) == (runs[0].get("task"),
                                                                                  runs[0].get("model"))), None)
         vs = "–"
@@ -334,8 +343,11 @@ def condition_table(summaries: list[dict], configs: list[dict]) -> str:
             dom = f"{role} ({doms.count(role)}/{len(runs)} runs, final share {share:.2f})"
         base = _mean_fmt([s["base"] for s in runs])[0]
         peak = f"{_fmt(curve[peak_step])} ({peak_step})" if curve else "–"
-        lines.append(f"| {label} | {len(runs)} | {base} | {peak} | {final} | {delta} | {vs} | "
+        lines.append(f"| {name} | {runs[0]['cell']} | {len(runs)} | {base} | {peak} | {final} | {delta} | {vs} | "
                      f"{sum(s['cliff'] for s in runs)}/{len(runs)} | {dom} |")
+    lines += ["", "What tells the conditions apart:", ""]
+    lines += [f"- {name} ({', '.join(s['run'] for s in runs)}): {settings or 'the only condition'}"
+              for name, settings, runs in conds]
     return "\n".join(lines)
 
 

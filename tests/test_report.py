@@ -89,15 +89,16 @@ def test_noise_is_the_paired_standard_error_over_problem_clusters(tmp_path):
 def test_conditions_average_seeds_and_difference_the_single_agent_condition(tmp_path):
     """Seeds of one condition (configs equal but for seed/run_dir; a key only one of them has is no
     difference) are averaged: mean ± std(ddof 1)/√n over seeds; Δ vs single ± √(se_a² + se_b²)."""
-    runs = {"a0": ({0: 0.2, 5: 0.6, 10: 0.4}, 3, 0), "a1": ({0: 0.3, 5: 0.5, 10: 0.5}, 3, 1),
-            "b0": ({0: 0.2, 5: 0.3, 10: 0.3}, 5, 0), "s0": ({0: 0.1, 10: 0.25}, 3, 0), "s1": ({0: 0.1, 10: 0.35}, 3, 1)}
+    runs = {"a-s0": ({0: 0.2, 5: 0.6, 10: 0.4}, 3, 0), "a-s1": ({0: 0.3, 5: 0.5, 10: 0.5}, 3, 1),
+            "b-s0": ({0: 0.2, 5: 0.3, 10: 0.3}, 5, 0), "single-s0": ({0: 0.1, 10: 0.25}, 3, 0),
+            "single-s1": ({0: 0.1, 10: 0.35}, 3, 1)}
     dirs = []
     for name, (accs, votes, seed) in runs.items():
         d = _run(tmp_path, name, accs, workflow="single" if name[0] == "s" else "voting")
         cfg = yaml.safe_load((d / "config.yaml").read_text())
         cfg.update(seed=seed, run_dir=str(d))
         cfg["workflow"]["n_votes"] = votes
-        if name == "a1":
+        if name == "a-s1":
             cfg["rl"] = {"added_later": 1}
         (d / "config.yaml").write_text(yaml.safe_dump(cfg))
         dirs.append(d)
@@ -105,8 +106,9 @@ def test_conditions_average_seeds_and_difference_the_single_agent_condition(tmp_
     finals_a, finals_s = np.array([0.4, 0.5]), np.array([0.25, 0.35])
     se_a, se_s = finals_a.std(ddof=1) / np.sqrt(2), finals_s.std(ddof=1) / np.sqrt(2)
     d_se = np.hypot(se_a, se_s)
-    assert (f"| voting/arith/tiny-qwen3/shared (workflow.n_votes=3) | 2 | 0.250 ± 0.050 | 0.550 (5) | "
-            f"0.450 ± {se_a:.3f} | 0.200 ± 0.000 | 0.150 ± {d_se:.3f} | 1/2 | generator (2/2 runs, final share "
-            "0.75) |") in text
-    assert "| voting/arith/tiny-qwen3/shared (workflow.n_votes=5) | 1 | 0.200 | 0.300 (5) | 0.300 | 0.100 |" in text
-    assert "| single/arith/tiny-qwen3/shared (workflow.n_votes=3) | 2 | 0.100 ± 0.000 | 0.300 (10) |" in text
+    assert (f"| a | voting/arith/tiny-qwen3/shared | 2 | 0.250 ± 0.050 | 0.550 (5) | 0.450 ± {se_a:.3f} | "
+            f"0.200 ± 0.000 | 0.150 ± {d_se:.3f} | 1/2 | generator (2/2 runs, final share 0.75) |") in text
+    assert "| b | voting/arith/tiny-qwen3/shared | 1 | 0.200 | 0.300 (5) | 0.300 | 0.100 | 0.000 | 0/1 |" in text
+    assert "| single | single/arith/tiny-qwen3/shared | 2 | 0.100 ± 0.000 | 0.300 (10) |" in text
+    assert "- a (a-s0, a-s1): workflow.n_votes=3, workflow.name=voting" in text
+    assert "- b (b-s0): workflow.n_votes=5, workflow.name=voting" in text
