@@ -226,11 +226,16 @@ def _fmt(v: Any) -> str:
     return "–" if v is None else str(v)
 
 
+def _is_single_for(x: dict, s: dict) -> bool:
+    """Whether summary `x` is a single-agent run of `s`'s task and model (and `s` is not one)."""
+    return (x.get("workflow") == "single" and s.get("workflow") != "single"
+            and (x.get("task"), x.get("model")) == (s.get("task"), s.get("model")))
+
+
 def vs_single(s: dict, summaries: list[dict]) -> float | None:
     """Final accuracy minus that of a single-agent run of the same task and model among `summaries`."""
-    singles = [x for x in summaries if x.get("workflow") == "single" and x is not s and "final" in x
-               and (x.get("task"), x.get("model")) == (s.get("task"), s.get("model"))]
-    return s["final"] - singles[0]["final"] if singles and "final" in s and s.get("workflow") != "single" else None
+    singles = [x for x in summaries if _is_single_for(x, s) and "final" in x]
+    return s["final"] - singles[0]["final"] if singles and "final" in s else None
 
 
 def read_evals(run_dir: str | pathlib.Path) -> list[dict]:
@@ -327,9 +332,7 @@ def condition_table(summaries: list[dict], configs: list[dict]) -> str:
         peak_step = max(curve, key=curve.get) if curve else None
         final, mu, se = _mean_fmt([s["final"] for s in runs])
         delta = _mean_fmt([s["delta"] for s in runs], runs[0].get("noise") if len(runs) == 1 else None)[0]
-        single = next((lab for lab, _, rs in conds if rs[0].get("workflow") == "single" and runs[0].get("workflow")
-                       != "single" and (rs[0].get("task"), rs[0].get("model")) == (runs[0].get("task"),
-                                                                                 runs[0].get("model"))), None)
+        single = next((lab for lab, _, rs in conds if _is_single_for(rs[0], runs[0])), None)
         vs = "–"
         if single:
             smu, sse = finals[single]
