@@ -460,12 +460,13 @@ def test_evaluate_workflow_metrics_and_transcripts():
     json.dumps(ev.transcripts)
 
 
-@pytest.mark.parametrize("worked_example", [False, True])
+@pytest.mark.parametrize("worked_example,supervisor_example", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("kind", ["math", "code"])
-def test_every_prompt_is_fully_formatted(kind, worked_example):
+def test_every_prompt_is_fully_formatted(kind, worked_example, supervisor_example):
     p = Problem(id="q", question="Add {x} and 2.", kind=kind, answer="1", tests=())
     for name in ("single", "eval_opt", "voting", "orch_workers"):
-        out = rollout(get_workflow(name, worked_example=worked_example), [p], hashed_policy, CODEC, SHARED,
+        workflow = get_workflow(name, worked_example=worked_example, supervisor_example=supervisor_example)
+        out = rollout(workflow, [p], hashed_policy, CODEC, SHARED,
                       reward_fn=fake_reward,
                       grade_calls=False)
         for c in out.calls:
@@ -496,6 +497,26 @@ def test_worked_example_changes_only_the_solve_and_worker_prompts():
     cfg = Config()
     cfg.workflow.worked_example = True
     assert cfg.workflow.build().worked_example
+
+
+def test_supervisor_example_changes_only_the_supervisory_prompts():
+    """`supervisor_example` shows one worked example in the aggregator's, orchestrator's and synthesizer's
+    prompts, each still holding the problem and its inputs; the generator and worker prompts are unchanged."""
+    def prompts(workflow, reply):
+        out, _ = run(workflow, reply)
+        return [(c.role, c.messages[0]["content"]) for c in out.calls]
+    plan = "STRATEGY 1: count up\nSTRATEGY 2: add the tens"
+    for make, reply, supervisors in ((Voting, voting_reply("\\boxed{2}"), {"aggregator"}),
+                                     (OrchWorkers, orch_reply(plan), {"orchestrator", "synthesizer"})):
+        plain, shot = prompts(make(), reply), prompts(make(supervisor_example=True), reply)
+        assert {r for r, _ in plain} >= supervisors
+        for (role, a), (_, b) in zip(plain, shot):
+            if role in supervisors:
+                assert "Example:" in b and "Mia" in b and "What is 0 + 42" in b and "Example:" not in a
+                assert ("Strategy: count up" in b) == ("Strategy: count up" in a)
+                assert ("--- Solution 1" in b) == ("--- Solution 1" in a)
+            else:
+                assert a == b
 
 
 def test_default_reward_is_the_problems_own():

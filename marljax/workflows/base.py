@@ -215,10 +215,12 @@ class Workflow:
     implement `episode` and `sampler_stages`, and `same_role_counts` when a role runs in parallel; and
     register with `workflows.registry.register`. Its options are its dataclass fields (config keys
     `workflow.<field>`). `worked_example`: the solve and worker prompts show one worked example of the
-    answer format (for small models; the paper's prompts are zero-shot).
+    answer format (for small models; the paper's prompts are zero-shot); `supervisor_example`: so do the
+    aggregator's, orchestrator's and synthesizer's.
     """
 
     worked_example: bool = False
+    supervisor_example: bool = False
 
     name: ClassVar[str]
     roles: ClassVar[tuple[str, ...]]
@@ -236,7 +238,7 @@ class Workflow:
 
     def prompts(self, kind: str) -> PromptSet:
         """This workflow's prompt set for a problem kind."""
-        return prompt_set(kind, self.worked_example)
+        return prompt_set(kind, self.worked_example, self.supervisor_example)
 
     def episode(self, problem: Problem) -> EpisodeScript:
         """The episode script: yields stages of `RoleCall`s, receives their texts, returns an `Outcome`."""

@@ -24,6 +24,9 @@ class PromptSet:
     synthesize: str  # synthesizer: final answer
     solve_shot: str  # `solve` with one worked example (workflow.worked_example)
     work_shot: str  # `work` with one worked example (workflow.worked_example)
+    aggregate_shot: str  # `aggregate` with one worked example (workflow.supervisor_example)
+    propose_shot: str  # `propose` with one worked example (workflow.supervisor_example)
+    synthesize_shot: str  # `synthesize` with one worked example (workflow.supervisor_example)
 
 
 MATH = PromptSet(
@@ -81,6 +84,34 @@ MATH = PromptSet(
         "Strategy: Add the pens she gets to the pens she has.\n"
         "Solution: Mia has 3 + 4 = 7 pens. The answer is \\boxed{{7}}.\n\n"
         "Problem: {problem}\nStrategy: {strategy}\nSolution:"
+    ),
+    aggregate_shot=(
+        "Below are several candidate solutions to the same math problem. Give the number of the one most "
+        "likely correct as \\boxed{{i}} with i between 1 and {n}.\n\nExample:\n"
+        "Problem: Mia has 3 pens. Then Mia gets 4 more pens. How many pens does Mia have now?\n"
+        "Candidate solutions:\n--- Solution 1 ---\nMia has 3 + 4 = 8 pens. The answer is \\boxed{{8}}.\n\n"
+        "--- Solution 2 ---\nMia has 3 + 4 = 7 pens. The answer is \\boxed{{7}}.\n\n"
+        "Choice: 3 + 4 = 7, so solution 2 is right. The best is \\boxed{{2}}.\n\n"
+        "Problem: {problem}\nCandidate solutions:{solutions}\nChoice:"
+    ),
+    propose_shot=(
+        "Plan, do not solve. Propose at most {max_subtasks} different strategies for the math problem, "
+        "one per line, and do not give the answer.\n\nExample:\n"
+        "Problem: Mia has 3 pens. Then Mia gets 4 more pens. How many pens does Mia have now?\n"
+        "STRATEGY 1: Add the pens she gets to the pens she has.\n"
+        "STRATEGY 2: Count up from 3, one pen at a time.\n\n"
+        "Problem: {problem}\n"
+    ),
+    synthesize_shot=(
+        "Several solvers each attempted the same math problem with a different strategy. Decide the "
+        "correct answer and write it inside \\boxed{{}}.\n\nExample:\n"
+        "Problem: Mia has 3 pens. Then Mia gets 4 more pens. How many pens does Mia have now?\n"
+        "Solutions:\n--- Solution 1 (Strategy: Add the pens she gets to the pens she has.) ---\n"
+        "Mia has 3 + 4 = 7 pens. The answer is \\boxed{{7}}.\n\n"
+        "--- Solution 2 (Strategy: Count up from 3, one pen at a time.) ---\n"
+        "4, 5, 6, 7, 8. The answer is \\boxed{{8}}.\n\n"
+        "Answer: 3 + 4 = 7, so solution 1 is right. The answer is \\boxed{{7}}.\n\n"
+        "Problem: {problem}\nSolutions:{solutions}\nAnswer:"
     ),
 )
 
@@ -142,18 +173,49 @@ CODE = PromptSet(
         "```python\na, b = map(int, input().split())\nprint(a + b)\n```\n\n"
         "Problem:\n{problem}\nStrategy: {strategy}\nSolution:"
     ),
+    aggregate_shot=(
+        "Below are several candidate programs for the same problem. Give the number of the one most likely "
+        "to pass all tests as \\boxed{{i}} with i between 1 and {n}.\n\nExample:\nProblem:\nRead two "
+        "integers from one line and print their sum.\nCandidate solutions:\n--- Solution 1 ---\n"
+        "```python\na, b = input().split()\nprint(a + b)\n```\n\n--- Solution 2 ---\n```python\n"
+        "a, b = map(int, input().split())\nprint(a + b)\n```\n\nChoice: solution 1 joins the strings "
+        "instead of adding the numbers. The best is \\boxed{{2}}.\n\n"
+        "Problem:\n{problem}\nCandidate solutions:{solutions}\nChoice:"
+    ),
+    propose_shot=(
+        "Plan, do not solve. Propose at most {max_subtasks} different strategies for the programming "
+        "problem, one per line, and do not write code.\n\nExample:\nProblem:\nRead two integers from "
+        "one line and print their sum.\nSTRATEGY 1: Parse both numbers and add them.\n"
+        "STRATEGY 2: Split the line, convert every part to an integer and sum the list.\n\n"
+        "Problem:\n{problem}\n"
+    ),
+    synthesize_shot=(
+        "Several programmers each attempted the same problem with a different strategy. Produce the best "
+        "program, in a single ```python code block.\n\nExample:\nProblem:\nRead two integers from one "
+        "line and print their sum.\nSolutions:\n--- Solution 1 (Strategy: Parse both numbers and add "
+        "them.) ---\n```python\na, b = map(int, input().split())\nprint(a + b)\n```\n\n"
+        "--- Solution 2 (Strategy: Split the line and sum the parts.) ---\n```python\n"
+        "print(sum(input().split()))\n```\n\nAnswer: solution 2 sums strings, which fails; solution 1 "
+        "is right.\n```python\na, b = map(int, input().split())\nprint(a + b)\n```\n\n"
+        "Problem:\n{problem}\nSolutions:{solutions}\nAnswer:"
+    ),
 )
 
 PROMPTS = {"math": MATH, "code": CODE}
 
 
-def prompt_set(kind: str, worked_example: bool = False) -> PromptSet:
+def prompt_set(kind: str, worked_example: bool = False, supervisor_example: bool = False) -> PromptSet:
     """The prompt set for a problem kind ("math" | "code"); with `worked_example`, `solve` and `work`
-    show one."""
+    show one worked example; with `supervisor_example`, `aggregate`, `propose` and `synthesize` do."""
     if kind not in PROMPTS:
         raise ValueError(f"No prompt set for problem kind {kind!r}; known: {sorted(PROMPTS)}")
     prompts = PROMPTS[kind]
-    return dataclasses.replace(prompts, solve=prompts.solve_shot, work=prompts.work_shot) if worked_example else prompts
+    if worked_example:
+        prompts = dataclasses.replace(prompts, solve=prompts.solve_shot, work=prompts.work_shot)
+    if supervisor_example:
+        prompts = dataclasses.replace(prompts, aggregate=prompts.aggregate_shot, propose=prompts.propose_shot,
+                                      synthesize=prompts.synthesize_shot)
+    return prompts
 
 
 def format_solutions(texts: Sequence[str], strategies: Sequence[str | None] | None = None) -> str:
