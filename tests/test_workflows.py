@@ -460,7 +460,8 @@ def test_evaluate_workflow_metrics_and_transcripts():
     json.dumps(ev.transcripts)
 
 
-@pytest.mark.parametrize("worked_example,supervisor_example", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("supervisor_example", [False, True])
+@pytest.mark.parametrize("worked_example", [False, True])
 @pytest.mark.parametrize("kind", ["math", "code"])
 def test_every_prompt_is_fully_formatted(kind, worked_example, supervisor_example):
     p = Problem(id="q", question="Add {x} and 2.", kind=kind, answer="1", tests=())
