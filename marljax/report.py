@@ -24,12 +24,14 @@ import math
 import os
 import pathlib
 import re
+import sys
 from typing import Any
 
 import numpy as np
 import yaml
 
 from marljax.compare import mean_se
+from marljax.config import ConfigError, load_config, to_dict
 from marljax.metrics import read_metrics
 from marljax.rl.diagnostics import CliffConfig, detect_cliff
 
@@ -44,8 +46,17 @@ def _roles(records: list[dict], suffix: str) -> list[str]:
 
 
 def _config(run_dir: pathlib.Path) -> dict:
+    """The run's config.yaml read back through `load_config` (as a resume reads it), so a key marljax gained
+    after the run takes its default, which is what the run did; a config that no longer loads (a key since
+    renamed) is read as written, with a note, and then a key it lacks is no difference (`conditions`)."""
     path = run_dir / "config.yaml"
-    return yaml.safe_load(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    try:
+        return to_dict(load_config(str(path)))
+    except ConfigError as e:
+        print(f"note: {path} no longer loads as a config ({e}); reading it as written", file=sys.stderr)
+        return yaml.safe_load(path.read_text())
 
 
 def summarize(run_dir: str | pathlib.Path) -> dict[str, Any]:
@@ -282,8 +293,8 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def conditions(summaries: list[dict], configs: list[dict]) -> list[tuple[str, str, list[dict]]]:
-    """Runs grouped into conditions: configs equal but for `SEED_KEYS` (a key one config lacks, e.g. one
-    added to the config after a run, is not a difference). Each is (name, settings, runs): the name is the
+    """Runs grouped into conditions: configs equal but for `SEED_KEYS` (`_config` fills a key added after a
+    run with its default; only in a config that no longer loads is a key it lacks no difference). Each is (name, settings, runs): the name is the
     runs' common name without its seed suffix (`amp-n5-s0`, `amp-n5-s1` → `amp-n5`), the settings are the
     config values that tell it apart from the other conditions (`workflow.n_votes=5, …`)."""
     flat = [{k.rstrip("."): v for k, v in _flat(c).items() if k.rstrip(".") not in SEED_KEYS} for c in configs]

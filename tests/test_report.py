@@ -86,20 +86,25 @@ def test_noise_is_the_paired_standard_error_over_problem_clusters(tmp_path):
     assert summarize(run)["noise_kind"] == UNPAIRED  # a missing transcript: the labelled fallback
 
 
-def test_conditions_average_seeds_and_difference_the_single_agent_condition(tmp_path):
-    """Seeds of one condition (configs equal but for seed/run_dir; a key only one of them has is no
-    difference) are averaged: mean ± std(ddof 1)/√n over seeds; Δ vs single ± √(se_a² + se_b²)."""
+def test_conditions_average_seeds_and_difference_the_single_agent_condition(tmp_path, capsys):
+    """Seeds of one condition (configs equal but for seed/run_dir; a key a config lacks takes its default,
+    and only in a config that no longer loads is a key it lacks no difference) are averaged: mean ±
+    std(ddof 1)/√n over seeds; Δ vs single ± √(se_a² + se_b²)."""
     runs = {"a-s0": ({0: 0.2, 5: 0.6, 10: 0.4}, 3, 0), "a-s1": ({0: 0.3, 5: 0.5, 10: 0.5}, 3, 1),
             "b-s0": ({0: 0.2, 5: 0.3, 10: 0.3}, 5, 0), "single-s0": ({0: 0.1, 10: 0.25}, 3, 0),
-            "single-s1": ({0: 0.1, 10: 0.35}, 3, 1)}
+            "single-s1": ({0: 0.1, 10: 0.35}, 3, 1), "c-s0": ({0: 0.2, 5: 0.4, 10: 0.4}, 3, 0)}
     dirs = []
     for name, (accs, votes, seed) in runs.items():
         d = _run(tmp_path, name, accs, workflow="single" if name[0] == "s" else "voting")
         cfg = yaml.safe_load((d / "config.yaml").read_text())
         cfg.update(seed=seed, run_dir=str(d))
         cfg["workflow"]["n_votes"] = votes
+        if name == "single-s1":
+            cfg["workflow"]["supervisor_example"] = False  # single-s0 lacks the key: its default, also False
         if name == "a-s1":
-            cfg["rl"] = {"added_later": 1}
+            cfg["rl"] = {"renamed_since": 1}  # no longer loads: read as written
+        if name == "c-s0":
+            cfg["workflow"]["supervisor_example"] = True  # a-s0 lacks it: False, its default, so not a's
         (d / "config.yaml").write_text(yaml.safe_dump(cfg))
         dirs.append(d)
     text = write_report(dirs, tmp_path / "out").read_text()
@@ -112,3 +117,5 @@ def test_conditions_average_seeds_and_difference_the_single_agent_condition(tmp_
     assert "| single | single/arith/tiny-qwen3/shared | 2 | 0.100 ± 0.000 | 0.300 (10) |" in text
     assert "- a (a-s0, a-s1): workflow.n_votes=3, workflow.name=voting" in text
     assert "- b (b-s0): workflow.n_votes=5, workflow.name=voting" in text
+    assert "- c (c-s0): workflow.n_votes=3, workflow.name=voting, workflow.supervisor_example=True" in text
+    assert "a-s1/config.yaml no longer loads as a config" in capsys.readouterr().err
