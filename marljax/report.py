@@ -295,8 +295,9 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
 def conditions(summaries: list[dict], configs: list[dict]) -> list[tuple[str, str, list[dict]]]:
     """Runs grouped into conditions: configs equal but for `SEED_KEYS` (`_config` fills a key added after a
     run with its default; only in a config that no longer loads is a key it lacks no difference). Each is
-    (name, settings, runs): the name is the runs' common name without its seed suffix (`amp-n5-s0`, `amp-n5-s1` → `amp-n5`), the settings are the
-    config values that tell it apart from the other conditions (`workflow.n_votes=5, …`)."""
+    (name, settings, runs): the name is the runs' common name without its seed suffix (`amp-n5-s0`,
+    `amp-n5-s1` → `amp-n5`), the settings are the config values that tell it apart from the other conditions
+    (`workflow.n_votes=5, …`)."""
     flat = [{k.rstrip("."): v for k, v in _flat(c).items() if k.rstrip(".") not in SEED_KEYS} for c in configs]
 
     def same(a: dict, b: dict) -> bool:
