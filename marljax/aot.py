@@ -410,6 +410,7 @@ class CompiledEngine:
     hbm_bandwidth: float
     compile_s: float
     model_step_flops: float = 0.0  # 2 × matmul parameters per row, per chip (the caller's: marljax.matrix)
+    sets: int = 0  # per-row LoRA adapters of this many sets (`sampling.mix_sets`); 0: one set's weights merged
 
     @property
     def total_bytes(self) -> float:
@@ -436,12 +437,14 @@ class CompiledEngine:
 
 
 def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float = 0.0, layers: int | None = None,
-                   steps: int = 16) -> CompiledEngine:
+                   steps: int = 16, sets: int = 0) -> CompiledEngine:
     """Compile `cell`'s rollout engine (`marljax.engine.engine`'s jitted `_prefill` and `_decode_chunk`)
     for `accelerator`'s topology, with abstract arguments: the cell's model (`cfg.model`, `cfg.dtype`;
     `layers` overrides its layer count, for tests) sharded as the sampler shards it (the cell's mesh and
     rules), the per-layer copy of its layers the sampler decodes with (`sampling.layer_weights`: one
-    parameter set's LoRA folded in; no per-row adapters), the
+    parameter set's LoRA folded in; or, with `sets` > 0, the base's own, every row adding its set's
+    adapter: `sets` float32 LoRA sets of `cfg.lora` stacked once per batch rank, each rank's copy on its
+    shard, as `engine.Stream` places them), the
     page pool of `plan` (`marljax.matrix.engine_plan`: one pool per batch rank, its pages in the
     cell's dtype), the TPU kernel path of the paged attention. Decode: `plan.slots` rows per rank, each
     with a page table as wide as the cell's longest sequence, `steps` steps per chunk. Prefill: one row
@@ -494,6 +497,18 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
     held = jax.ShapeDtypeStruct((chips * max(1, int(held_bytes)),), jnp.uint8, sharding=jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec(sharding.MESH_AXES)))  # split over every chip
 
+    lora = None
+    if sets:
+        from marljax.models.lora import init_lora, stack_adapters
+        lora_cfg = cfg.lora.build()
+        if lora_cfg is None:
+            raise AotError("compile_engine(sets=…) needs a LoRA config: per-row adapters are LoRA's.")
+        adapters = jax.eval_shape(lambda: stack_adapters([init_lora(model_cfg, lora_cfg, jax.random.key(0))] * sets))
+        G = plan.ranks * sets
+        lora = {"lora": jax.tree.map(lambda x: arr(x.dtype, ("batch",) + (None,) * (x.ndim - 1), G,
+                                                                  *x.shape[1:]), adapters),
+                "lora_scale": arr(jnp.float32, ()), "lora_groups": arr(jnp.int32, (None,), G)}
+
     def holding(fn, **static):  # fn(graphdef, *arrays), every argument kept (the stacked layers too) and
         # `held` live throughout; the pool donated
         return jax.jit(lambda held, *arrays: (fn(graphdef, *arrays, **static), held), donate_argnums=(0, 3),
@@ -504,12 +519,12 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
         decode_traced = holding(_decode_chunk, steps=steps, stops=(0,), attention="kernel", **sampling).trace(
             held, state_abs, layer_abs, pool, arr(jnp.int32, ("batch", None), rows, width),
             *(arr(jnp.int32, ("batch",), rows) for _ in range(3)), arr(jnp.bool_, ("batch",), rows),
-            arr(jnp.uint32, ("batch", None), rows, 2), arr(jnp.int32, ()), None)
+            arr(jnp.uint32, ("batch", None), rows, 2), arr(jnp.int32, ()), lora)
         decode = _program(*_compile(decode_traced))
         prefill_traced = holding(_prefill, attention="kernel").trace(
             held, state_abs, layer_abs, pool, arr(jnp.int32, ("batch", None), n, T), arr(jnp.int32, ("batch",), n),
             arr(jnp.int32, ("batch", None), n, page_bucket(-(-plan.prompt // plan.page_size))),
-            arr(jnp.int32, ("batch",), n), None)
+            arr(jnp.int32, ("batch",), n), lora)
         prefill = _program(*_compile(prefill_traced))
     compile_s = time.perf_counter() - t0
     return CompiledEngine(
@@ -518,7 +533,7 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
         page_bytes=pool_chip / plan.pages, held_bytes=stacked + held_bytes,
         step_flops=float(decode[1].get("flops", 0.0)),
         step_bytes=float(decode[1].get("bytes accessed", 0.0)) + pool_chip,
-        peak_flops=acc.tflops * 1e12, hbm_bandwidth=acc.hbm_gbs * 1e9, compile_s=compile_s)
+        peak_flops=acc.tflops * 1e12, hbm_bandwidth=acc.hbm_gbs * 1e9, compile_s=compile_s, sets=sets)
 
 
 def _oom_available(message: str) -> int:
@@ -544,10 +559,12 @@ def _program(terms, cost, oom, peak) -> tuple[Program, dict]:
 
 def engine_table(results: list[CompiledEngine]) -> str:
     gib = lambda x: f"{x / GiB:7.2f}"  # noqa: E731
-    head = (f"{'cell':38} mesh(d,f,t)  ranks×slots  pages   ctx width  pool  p.args  p.temp p.total  d.args  d.temp"
+    head = (f"{'cell':38} lora    mesh(d,f,t)  ranks×slots  pages   ctx width  pool  p.args  p.temp p.total  d.args  d.temp"
             f" d.total   held  total    hbm fits fit_pages  step_GF  step_GB  step_ms  compile_s")
     lines = [f"# compiled rollout engine per chip (GiB): one pool per batch rank (pages of "
-             f"{results[0].plan.page_size if results else 0} positions), TPU paged-attention kernel; p.: "
+             f"{results[0].plan.page_size if results else 0} positions), TPU paged-attention kernel; lora: one "
+             f"set's adapter merged into the decode weights, or rows×G: each row adds its own of G sets' adapters "
+             f"(sampling.mix_sets); p.: "
              f"prefill of one chunk of the longest prompt per rank; d.: a decode chunk over every slot (args "
              f"include held: "
              f"what the run holds beside the engine, the base's stacked layers, LoRA sets, Adam moments); "
@@ -558,7 +575,7 @@ def engine_table(results: list[CompiledEngine]) -> str:
     for c in results:
         p, d = c.prefill, c.decode
         lines.append(
-            f"{c.cell:38} {str(c.mesh):12} {f'{c.plan.ranks}×{c.plan.slots}':>11} {c.plan.pages:6d} "
+            f"{c.cell:38} {f'rows×{c.sets}' if c.sets else 'merged':7} {str(c.mesh):12} {f'{c.plan.ranks}×{c.plan.slots}':>11} {c.plan.pages:6d} "
             f"{c.plan.context:5d} {c.width:5d}{gib(c.plan.pool_bytes)[1:]} {gib(p.argument_bytes)} {gib(p.temp_bytes)} "
             f"{gib(p.total_bytes)} {gib(d.argument_bytes)} {gib(d.temp_bytes)} {gib(d.total_bytes)} "
             f"{gib(c.held_bytes)}{gib(c.total_bytes)}{gib(c.hbm_bytes)} {'yes' if c.fits else 'NO':>4} "

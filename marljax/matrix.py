@@ -492,6 +492,9 @@ def main(argv: list[str] | None = None) -> None:
                     "a cell does not fit (marljax/aot.py)")
     ap.add_argument("--aot-part", default="both", choices=("both", "train", "engine"),
                     help="--aot: compile the train step, the rollout engine (prefill and decode chunk), or both")
+    ap.add_argument("--aot-mix-sets", action="store_true", help="--aot: compile the engines of LoRA cells with "
+                    "per-row adapters (sampling.mix_sets: every set's rows in one batch on the shared base), not "
+                    "one set's adapter merged into the weights")
     ap.add_argument("--aot-rows", type=int, default=1, help="--aot: rows of the longest sample per chip")
     ap.add_argument("--aot-attention", default="splash", help="--aot: rl.attention (splash, dense, …)")
     ap.add_argument("--aot-logprob-chunk", type=int, help="--aot: response positions per log-prob chunk "
@@ -547,13 +550,16 @@ def with_memory_model(r, cell: Cell, cfg: Config):
 
 def _aot_engine(cell: Cell, cfg: Config, est: Estimate, acc: Accelerator, topology: str, *, printing: bool,
                 first: bool) -> list:
-    """Compile the cell's engine as `engine_plan` sizes it; while it does not fit (twice at most), again
-    with the pool cut to the pages that fit (`aot.CompiledEngine.fit_pages`). Its rows."""
+    """Compile the cell's engine as `engine_plan` sizes it (with `cfg.sampling.mix_sets` and LoRA: every
+    set's adapter per row); while it does not fit (twice at most), again with the pool cut to the pages
+    that fit (`aot.CompiledEngine.fit_pages`). Its rows."""
     from marljax import aot
     model = dataclasses.replace(PRESETS[cell.model], dtype=cfg.dtype)
+    sets = len(from_config(cfg.policy, cell.roles).sets) if cfg.sampling.mix_sets and cfg.lora.enabled else 0
     plan, out = est.engine, []
     for _ in range(3):
-        e = aot.compile_engine(cell, cfg, topology, acc, plan, held_bytes=est.memory.lora + est.memory.optimizer)
+        e = aot.compile_engine(cell, cfg, topology, acc, plan, held_bytes=est.memory.lora + est.memory.optimizer,
+                               sets=sets)
         out.append(dataclasses.replace(e, model_step_flops=e.rows * 2.0 * matmul_params(model) / math.prod(e.mesh)))
         if printing:
             lines = aot.engine_table(out[-1:]).splitlines()
@@ -576,6 +582,7 @@ def _aot(chosen: list[Cell], args) -> int:
             acc = ACCELERATORS[args.aot]
             est = estimate(c, acc)
             cfg = cell_config(est, acc)
+            cfg.sampling.mix_sets = args.aot_mix_sets
             if args.aot_part in ("both", "train"):
                 r = aot.compile_cell(c, cfg, args.aot, acc, rows_per_chip=args.aot_rows,
                                      attention=args.aot_attention, logprob_chunk=args.aot_logprob_chunk)

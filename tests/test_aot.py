@@ -115,3 +115,31 @@ def test_rollout_engine_compiles_for_v5e_with_its_pool_in_place():
     assert e.decode.alias_bytes >= pool and e.decode.output_bytes - e.decode.alias_bytes < 0.01 * pool
     model_flops = e.rows / 8 * 2 * matrix.matmul_params(model)
     assert abs(e.step_flops - model_flops) < 0.1 * model_flops
+
+
+@pytest.mark.slow  # two TPU compiles of a 2-layer engine: ~60 s wall on this project's 2-core box
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed (pip install libtpu==0.0.42.1, requirements-test.txt)")
+def test_per_row_lora_engine_compiles_for_v5e_with_each_ranks_adapters_on_its_chip():
+    """The Isolated-Policy Voting cell's engine with per-row adapters (`sampling.mix_sets`: the generator's
+    and the aggregator's rows in one batch on the shared base) for Qwen3-0.6B at 2 layers on v5e-8: it
+    fits, and the decode chunk's arguments are the merged-weight engine's plus the 2 float32 LoRA sets
+    once per chip (each rank's copy of the stacked adapters on its own chip; replicated, the 8 ranks'
+    copies would be 8×), to 1%."""
+    from marljax import aot
+    from marljax.engine.kv_pages import page_bytes
+    from marljax.models.presets import PRESETS
+    from marljax.rl.policy_map import from_config
+    cell = next(c for c in matrix.cells() if c.name == "voting-math-qwen3-0.6b-isolated")
+    acc = matrix.ACCELERATORS["v5e-8"]
+    est = matrix.estimate(cell, acc)
+    cfg = matrix.cell_config(est, acc)
+    sets = len(from_config(cfg.policy, cell.roles).sets)
+    e = aot.compile_engine(cell, cfg, "v5e-8", acc, est.engine, layers=2, sets=sets)
+    print(aot.engine_table([e]))
+    model = dataclasses.replace(PRESETS[cfg.model], dtype=cfg.dtype, num_layers=2)
+    assert sets == 2 and e.sets == 2 and e.fits and e.mesh == (8, 1, 1)
+    pool = est.engine.pages * page_bytes(model, est.engine.page_size)
+    merged = (model.num_params() + matrix.layer_params(model)) * 2 + pool
+    adapters = sets * matrix.lora_params(model, cfg.lora.rank) * 4
+    assert abs(e.decode.argument_bytes - (merged + adapters)) < 0.01 * (merged + adapters)
+    assert abs(e.prefill.argument_bytes - (merged + adapters)) < 0.01 * (merged + adapters)

@@ -187,7 +187,8 @@ for k, a in enumerate((ad, ad2)):
         max_new_tokens=8, temperature=0.0), layers=layer_weights(model, a, lora.scale))
     same &= [got[i][0] for i in idx] == want.tokens
     err = max([err] + [float(np.max(np.abs(np.asarray(got[i][1]) - np.asarray(w)))) for i, w in zip(idx, want.logprobs)])
-print("mixed", mixed.engine("a").ranks, same, err)
+lspec = str(jax.tree.leaves(stream.streams[""].lora["lora"])[0].sharding.spec).replace(" ", "")
+print("mixed", mixed.engine("a").ranks, same, err, lspec)
 """
 
 
@@ -196,17 +197,19 @@ def test_policy_sampler_keeps_a_pool_per_batch_rank_on_a_mesh():
     per batch rank (4), 2 slots each, the pools split over the batch axes; its seeded samples equal the
     one-pool engine's unsharded (tokens; logprobs within 1e-5), and the 4 identical prompts, one per
     rank, are prefilled 4 times. With `mix_sets`, two LoRA sets decode in one batch over the 4 rank pools
-    (per-row adapters per rank block): greedy tokens equal each set's unsharded engine, logprobs 1e-4. (A data=2, tensor=2 mesh gave the same, its pools split over data and
-    the KV heads over tensor; left out for time.)"""
+    (per-row adapters per rank block, each rank's copy of the stacked adapters on its shard): greedy
+    tokens equal each set's unsharded engine, logprobs 1e-4. (A data=2, tensor=2 mesh gave the same, its
+    pools split over data and the KV heads over tensor; left out for time.)"""
     env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"}
     out = subprocess.run([sys.executable, "-c", _SAMPLER_ON_A_MESH], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line.split(" ") for line in out.stdout.strip().splitlines()]
     print(lines)
-    [(ranks, same, err, spec, prefilled), (_, mixed_ranks, mixed_same, mixed_err)] = lines
+    [(ranks, same, err, spec, prefilled), (_, mixed_ranks, mixed_same, mixed_err, lora_spec)] = lines
     assert (ranks, same, int(prefilled)) == ("4", "True", 3 + 31 + 1 + 8 + 4 * 20)
     assert float(err) <= 1e-5 and spec.startswith("P(('data','fsdp'),")
     assert (mixed_ranks, mixed_same) == ("4", "True") and float(mixed_err) <= 1e-4
+    assert lora_spec.startswith("P(('data','fsdp'),")
 
 
 def test_block_groups_make_every_rank_set_group_contiguous():

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from marljax import sharding
 from marljax.engine.draw import SampleOutput, SamplingParams, sample_rows
 from marljax.engine.kv_pages import (NULL_PAGE, PagePool, copy_pages, grow_pages, init_pages, page_bytes, pages_for,
                                      pool_pages)
@@ -195,8 +196,9 @@ class Stream:
                  lora_scale: float):
         self.engine, self.params, self.layers = engine, params, layers
         num_groups = 1 if lora is None else jax.tree.leaves(lora)[0].shape[0]
-        self.lora = None if lora is None else {  # one copy per rank block (`scheduler.block_groups`)
-            "lora": jax.tree.map(lambda x: jnp.tile(x, (engine.ranks,) + (1,) * (x.ndim - 1)), lora),
+        self.lora = None if lora is None else {  # one copy per rank block (`scheduler.block_groups`), on its shard
+            "lora": jax.tree.map(lambda x: sharding.constrain(jnp.tile(x, (engine.ranks,) + (1,) * (x.ndim - 1)),
+                                                              ("batch",) + (None,) * (x.ndim - 1)), lora),
             "lora_scale": jnp.float32(lora_scale)}
         cfg, ps = engine.model.config, engine.page_size
         self.growable = not engine.num_pages
