@@ -427,8 +427,9 @@ def estimate(cell: Cell, acc: Accelerator, steps: int = STEPS, response_fill: fl
 def cell_config(est: Estimate, acc: Accelerator, data_root: str = "data") -> Config:
     """The run config of a cell: the paper's settings (the config's defaults, resolved for the cell's task
     and workflow) with the cell's choices, the estimate's mesh, the rollout engine of `engine_plan` (one
-    page pool per batch rank: `sampling.max_cache_tokens` and `num_slots` are one rank's), and
-    micro-batches of at most one longest row per data-parallel chip."""
+    page pool per batch rank: `sampling.max_cache_tokens` and `num_slots` are one rank's; an isolated
+    cell's LoRA sets in one batch, `sampling.mix_sets`), and micro-batches of at most one longest row per
+    data-parallel chip."""
     c, cfg = est.cell, Config()
     cfg.model, cfg.dtype, cfg.policy, cfg.steps = c.model, acc.dtype, c.policy, est.steps
     cfg.run_dir = f"runs/matrix/{c.name}"
@@ -438,6 +439,9 @@ def cell_config(est: Estimate, acc: Accelerator, data_root: str = "data") -> Con
     cfg.sampling.max_cache_tokens = (est.engine.pages - 1) * est.engine.page_size
     cfg.sampling.num_slots = max(1, est.engine.slots)
     cfg.sampling.prefill_tokens = PREFILL_TOKENS_PER_RANK * est.engine.ranks
+    # Isolated LoRA sets decode in one batch on the shared base: merged, each set's stream would hold its
+    # own pool and its own merged copy of the layers while the rollout has its rows in flight
+    cfg.sampling.mix_sets = cfg.lora.enabled and c.n_sets > 1
     cfg.rl.micro_batch_tokens = longest_row(c)
     data, fsdp, tensor = est.mesh
     cfg.mesh = MeshConfig(data=data, fsdp=fsdp, tensor=tensor, rules="auto", lora="sharded")
@@ -492,9 +496,6 @@ def main(argv: list[str] | None = None) -> None:
                     "a cell does not fit (marljax/aot.py)")
     ap.add_argument("--aot-part", default="both", choices=("both", "train", "engine"),
                     help="--aot: compile the train step, the rollout engine (prefill and decode chunk), or both")
-    ap.add_argument("--aot-mix-sets", action="store_true", help="--aot: compile the engines of LoRA cells with "
-                    "per-row adapters (sampling.mix_sets: every set's rows in one batch on the shared base), not "
-                    "one set's adapter merged into the weights")
     ap.add_argument("--aot-rows", type=int, default=1, help="--aot: rows of the longest sample per chip")
     ap.add_argument("--aot-attention", default="splash", help="--aot: rl.attention (splash, dense, …)")
     ap.add_argument("--aot-logprob-chunk", type=int, help="--aot: response positions per log-prob chunk "
@@ -582,7 +583,6 @@ def _aot(chosen: list[Cell], args) -> int:
             acc = ACCELERATORS[args.aot]
             est = estimate(c, acc)
             cfg = cell_config(est, acc)
-            cfg.sampling.mix_sets = args.aot_mix_sets
             if args.aot_part in ("both", "train"):
                 r = aot.compile_cell(c, cfg, args.aot, acc, rows_per_chip=args.aot_rows,
                                      attention=args.aot_attention, logprob_chunk=args.aot_logprob_chunk)

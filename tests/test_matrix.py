@@ -43,8 +43,9 @@ def test_cell_configs_carry_the_paper_setup(tmp_path):
     assert (cfg.sampling.temperature, cfg.sampling.max_new_tokens, cfg.eval.every, cfg.steps) == (0.7, 5120, 10, 300)
     assert cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor == 8 and cfg.sampling.max_cache_tokens > 0
     assert (cfg.sampling.max_prompt_tokens, cfg.task.eval_n) == (20480, None)  # None: every held-out problem
+    assert cfg.sampling.mix_sets  # isolated LoRA sets decode in one batch (one pool, one copy of the base)
     code = load_config(str(tmp_path / "eval_opt-code-qwen3-4b-shared.yaml"))
-    assert code.task.name == "deepcoder" and code.workflow.max_iterations == 2
+    assert code.task.name == "deepcoder" and code.workflow.max_iterations == 2 and not code.sampling.mix_sets
     assert (code.sampling.max_new_tokens, code.sampling.max_prompt_tokens) == (2048, 10240)
     single = load_config(str(tmp_path / "single-code-qwen3-0.6b.yaml"))
     assert (single.sampling.max_new_tokens, single.sampling.max_prompt_tokens) == (2048, 4096)
