@@ -225,6 +225,13 @@ def batch_ranks(mesh: Mesh, rules: Rules) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
+def active_batch_ranks() -> int:
+    """`batch_ranks` of the mesh and rules that `use_mesh` made active; 1 outside it."""
+    rules = _ACTIVE_RULES.get()
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if rules is None or mesh.empty else batch_ranks(mesh, rules)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

@@ -36,9 +36,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from marljax import sharding
 from marljax.models.attention import attention, causal_attention, resolve_attention
 from marljax.models.precision import check_dtype, dot_f32
-from marljax.sharding import constrain
 
 # Linear maps of one layer: name -> (input logical axes, output logical axes).
 LINEAR_AXES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -184,7 +184,24 @@ def grouped_lora_delta(x_ni, a_gir, b_gro, groups_g):
     grouped matmul: each token's own set only); CPU expands it to every set on masked tokens (G× the
     adapter FLOPs), which at decode shapes still beats gathering each row's A and B (B copies of the
     adapters) and ties with masking every set's delta; gathering wins only for few long rows (prefill):
-    bench/lora_rows.py, docs/benchmarks.md "Per-row LoRA"."""
+    bench/lora_rows.py, docs/benchmarks.md "Per-row LoRA".
+
+    On a mesh (`sharding.use_mesh`) with R batch ranks it runs once per batch shard: the tokens come in R
+    equal rank blocks and the sets once per rank, rank-major (G = R × sets; the rollout engine's
+    `scheduler.block_groups`), so each chip multiplies its own tokens by its own rank's sets. Left to
+    XLA's partitioner, every chip all-gathers every rank's adapters per layer, and at prefill every
+    rank's tokens too (compiled for v5e-8: docs/scale_out.md)."""
+    ranks = sharding.active_batch_ranks()
+    if groups_g.shape[0] % ranks or x_ni.shape[0] % ranks:
+        raise ValueError(f"per-row adapters on a mesh of {ranks} batch ranks need the sets stacked once per rank "
+                         f"and the tokens in {ranks} equal rank blocks (engine.scheduler.block_groups); got "
+                         f"{groups_g.shape[0]} stacked sets for {x_ni.shape[0]} tokens.")
+    return sharding.shard_map_logical(_grouped_lora_delta, (x_ni, a_gir, b_gro, groups_g),
+                                      (("batch", None), ("batch", None, None), ("batch", None, None), ("batch",)),
+                                      ("batch", None))
+
+
+def _grouped_lora_delta(x_ni, a_gir, b_gro, groups_g):
     h_nr = jax.lax.ragged_dot(x_ni, a_gir, groups_g)
     d_no = jax.lax.ragged_dot(h_nr, b_gro, groups_g, preferred_element_type=jnp.float32)
     real_n = jnp.arange(x_ni.shape[0]) < jnp.sum(groups_g)
@@ -238,7 +255,7 @@ class Decoder(nnx.Module):
             logits = dot_f32("...e,ve->...v", h, self.embed[...].astype(h.dtype))
         else:
             logits = dot_f32("...e,ev->...v", h, self.lm_head[...].astype(h.dtype))
-        return constrain(logits, ("batch", *("length",) * (logits.ndim - 2), "act_vocab"))
+        return sharding.constrain(logits, ("batch", *("length",) * (logits.ndim - 2), "act_vocab"))
 
     def hidden(self, tokens_bt, positions_bt=None, *, cache=None, lora=None, lora_scale=1.0,
                kv_mask_bs=None, remat: str = "none", layers=None, attention_impl: str = "auto",
@@ -270,7 +287,7 @@ class Decoder(nnx.Module):
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         x = jnp.take(self.embed[...], tokens_bt, axis=0).astype(c.jnp_dtype)  # the residual stream
-        x = constrain(x, ("batch", "length", "act_embed"))
+        x = sharding.constrain(x, ("batch", "length", "act_embed"))
         if cache is None:
             impl = resolve_attention(attention_impl, T, c.jnp_dtype)
         elif cache_attention is None:
@@ -286,9 +303,9 @@ class Decoder(nnx.Module):
                 return linear(x, p[name], name, lora_l, lora_scale, n_in, token_groups)
 
             h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
-            q = constrain(lin(h, "wq"), _HEADS)
-            k = constrain(lin(h, "wk"), _KV_HEADS)
-            v = constrain(lin(h, "wv"), _KV_HEADS)
+            q = sharding.constrain(lin(h, "wq"), _HEADS)
+            k = sharding.constrain(lin(h, "wk"), _KV_HEADS)
+            v = sharding.constrain(lin(h, "wv"), _KV_HEADS)
             if c.qk_norm:
                 q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
                 k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
@@ -302,14 +319,14 @@ class Decoder(nnx.Module):
                 kv = {"k": kv["k"].at[rows_bt, :, positions_bt].set(k.astype(kv["k"].dtype)),
                       "v": kv["v"].at[rows_bt, :, :, positions_bt].set(v.astype(kv["v"].dtype))}
                 attn = attention(q, kv["k"], kv["v"], mask_bts, "cache")
-            attn = constrain(attn, _HEADS)
+            attn = sharding.constrain(attn, _HEADS)
             x = x + lin(attn, "wo", 2)
             h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
             gate = lin(h, "w_gate")
             up = lin(h, "w_up")
-            act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+            act = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
             x = x + lin(act, "w_down")
-            return constrain(x, ("batch", "length", "act_embed")), kv
+            return sharding.constrain(x, ("batch", "length", "act_embed")), kv
 
         layer_axis = 0 if lora_groups is None else 1  # stacked sets: [G, n, …]
         n_adapted = c.num_layers if lora is None else jax.tree.leaves(lora)[0].shape[layer_axis]
@@ -392,5 +409,5 @@ def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> list
     B, K, D, S = batch, config.num_kv_heads, config.head_dim, length
     k_axes = ("batch", "act_kv_heads", "length", "head_dim")
     v_axes = ("batch", "act_kv_heads", "head_dim", "length")
-    return [{"k": constrain(jnp.zeros((B, K, S, D), dt), k_axes),
-             "v": constrain(jnp.zeros((B, K, D, S), dt), v_axes)} for _ in range(config.num_layers)]
+    return [{"k": sharding.constrain(jnp.zeros((B, K, S, D), dt), k_axes),
+             "v": sharding.constrain(jnp.zeros((B, K, D, S), dt), v_axes)} for _ in range(config.num_layers)]
