@@ -19,6 +19,7 @@ single-agent run's SA→MA `transfer=`) are read from RUN_DIR/evals/*.json: the 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -84,7 +85,7 @@ def summarize(run_dir: str | pathlib.Path) -> dict[str, Any]:
     shares = [r["diag/dominant_share"] for r in records if isinstance(r.get("diag/dominant_share"), float)
               and math.isfinite(r["diag/dominant_share"])]
     if doms:
-        out["dominant_role"] = max(set(doms), key=doms.count)
+        out["dominant_role"] = mode(doms)
         out["dominant_share"] = shares[-1] if shares else float("nan")
     return out
 
@@ -110,6 +111,12 @@ def problem_means(path: pathlib.Path) -> dict[str, float]:
         t = json.loads(line)
         rewards.setdefault(str(t["problem_id"]), []).append(float(t["reward"]))
     return {p: float(np.mean(r)) for p, r in rewards.items()}
+
+
+def mode(values: list[str]) -> str:
+    """The most frequent value; a tie goes to the one seen first (not to set order, which changes with
+    the interpreter's hash seed, and with it the report)."""
+    return collections.Counter(values).most_common(1)[0][0]
 
 
 def paired_se(base_path: pathlib.Path, final_path: pathlib.Path) -> float | None:
@@ -353,7 +360,7 @@ def condition_table(summaries: list[dict], configs: list[dict]) -> str:
         doms = [s["dominant_role"] for s in runs if "dominant_role" in s]
         dom = "–"
         if doms:
-            role = max(set(doms), key=doms.count)
+            role = mode(doms)
             share = np.mean([s["dominant_share"] for s in runs if s.get("dominant_role") == role])
             dom = f"{role} ({doms.count(role)}/{len(runs)} runs, final share {share:.2f})"
         base = _mean_fmt([s["base"] for s in runs])[0]

@@ -119,3 +119,16 @@ def test_conditions_average_seeds_and_difference_the_single_agent_condition(tmp_
     assert "- b (b-s0): workflow.n_votes=5, workflow.name=voting" in text
     assert "- c (c-s0): workflow.n_votes=3, workflow.name=voting, workflow.supervisor_example=True" in text
     assert "a-s1/config.yaml no longer loads as a config" in capsys.readouterr().err
+
+
+def test_a_tied_dominant_role_is_the_first_seen_whatever_the_hash_seed():
+    """Two roles each dominant at half the steps: the report names the one dominant first, in every
+    interpreter (a `max(set(...))` answer changed with PYTHONHASHSEED, and so did regenerated reports)."""
+    import os
+    import subprocess
+    import sys
+    code = ("from marljax.report import mode; "
+            "print(mode(['worker', 'orchestrator', 'synthesizer', 'orchestrator', 'worker', 'synthesizer']))")
+    got = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": str(seed)},
+                          capture_output=True, text=True, check=True).stdout.strip() for seed in range(8)}
+    assert got == {"worker"}
