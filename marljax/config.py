@@ -149,7 +149,9 @@ class SamplingSection:
     max_cache_tokens: int = 0  # KV positions each batch rank's page pool of the rollout engine holds (0: grows)
     num_slots: int = 64  # sequences the rollout engine decodes at once per batch rank
     prefill_tokens: int = 0  # positions one prefill call of the engine computes (chunked prefill); 0: a whole prompt
-    mix_sets: bool = False  # LoRA: decode every parameter set in one batch (per-row adapters, no merged copies)
+    # LoRA: decode every parameter set in one batch (per-row adapters, no merged copies). Off, each set in
+    # flight holds its own stream: its own page pool (max_cache_tokens each) and merged copy of the layers
+    mix_sets: bool = False
 
     def check(self) -> None:
         if self.prefill_tokens and self.prefill_tokens < PREFILL_CHUNK_MIN:
