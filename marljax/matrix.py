@@ -217,7 +217,7 @@ class Memory:
     grads: float
     activations: float
     kv_cache: float
-    rollout_weights: float  # the sampler's per-layer merged copy of the layers' weights
+    rollout_weights: float  # the sampler's per-layer copy of the layers' weights (+ its per-row adapters)
 
     @property
     def peak(self) -> float:
@@ -252,7 +252,10 @@ def memory(cfg: ModelConfig, *, dtype: str, n_sets: int, n_roles: int, rank: int
         grads=n_roles * lora_set,
         activations=residuals + layer + logits,
         kv_cache=rows_chip(cache_rows) * cache_len * kv_bytes_per_token(cfg, dtype) / kv_tensor,
-        rollout_weights=layer_params(cfg) * b / shard)
+        # isolated sets decode with per-row adapters (`cell_config`'s mix_sets): each chip holds its rank's
+        # copy of every set, whole
+        rollout_weights=layer_params(cfg) * b / shard + (n_sets * lora_params(cfg, rank) * LORA_BYTES
+                                                         if n_sets > 1 else 0))
 
 
 # ---- per-cell estimate ----------------------------------------------------------------------------

@@ -11,10 +11,9 @@ from flax import nnx
 from marljax import matrix
 from marljax.config import load_config
 from marljax.models.decoder import Decoder, init_cache
-from marljax.models.lora import LoRAConfig, init_lora
+from marljax.models.lora import LoRAConfig, init_lora, stack_adapters
 from marljax.models.presets import PRESETS
 from marljax.rl.step import make_optimizer
-from marljax.sampling import layer_weights
 
 
 def test_dry_run_prints_one_row_per_cell(capsys):
@@ -89,7 +88,8 @@ def _live_bytes() -> int:
 
 def test_memory_formula_matches_a_tiny_qwen3_run():
     """Qwen3-0.6B widths and vocabulary with 2 layers, bfloat16 base, two rank-64 LoRA sets with Adam,
-    a 4 × 512 KV cache and the sampler's merged per-layer weights: the live device bytes match the
+    a 4 × 512 KV cache and the sampler's per-layer weights with both sets stacked for per-row adapters
+    (`sampling.mix_sets`, as the matrix's isolated cells run): the live device bytes match the
     formula term by term to 1e-5 relative (measured: every term byte-exact but the optimizer state, which
     the formula leaves 64 bytes short — Adam's step counters and injected hyperparameters)."""
     cfg = dataclasses.replace(PRESETS["qwen3-0.6b"], num_layers=2, dtype="bfloat16")
@@ -107,13 +107,13 @@ def test_memory_formula_matches_a_tiny_qwen3_run():
     measured["optimizer"] = _live_bytes() - start - measured["base"] - measured["lora"]
     cache = init_cache(cfg, rows, length)
     measured["kv_cache"] = _live_bytes() - start - sum(measured.values())
-    layers = layer_weights(model, adapters[0], lora.scale)
+    layers, stacked = model.layer_list(), stack_adapters(adapters)  # a mix_sets stream's (one rank)
     measured["rollout_weights"] = _live_bytes() - start - sum(measured.values())
     for term, value in measured.items():
         assert getattr(est, term) == pytest.approx(value, rel=1e-5), term
     total = est.base + est.lora + est.optimizer + est.kv_cache + est.rollout_weights
     assert total == pytest.approx(sum(measured.values()), rel=1e-5)
-    del model, adapters, states, cache, layers
+    del model, adapters, states, cache, layers, stacked
 
 
 def test_mesh_choice_replicates_small_bases_and_shards_large_ones():
