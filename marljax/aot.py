@@ -505,8 +505,8 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
             raise AotError("compile_engine(sets=…) needs a LoRA config: per-row adapters are LoRA's.")
         adapters = jax.eval_shape(lambda: stack_adapters([init_lora(model_cfg, lora_cfg, jax.random.key(0))] * sets))
         G = plan.ranks * sets
-        lora = {"lora": jax.tree.map(lambda x: arr(x.dtype, ("batch",) + (None,) * (x.ndim - 1), G,
-                                                                  *x.shape[1:]), adapters),
+        per_rank = lambda x: arr(x.dtype, ("batch",) + (None,) * (x.ndim - 1), G, *x.shape[1:])  # noqa: E731
+        lora = {"lora": jax.tree.map(per_rank, adapters),
                 "lora_scale": arr(jnp.float32, ()), "lora_groups": arr(jnp.int32, (None,), G)}
 
     def holding(fn, **static):  # fn(graphdef, *arrays), every argument kept (the stacked layers too) and

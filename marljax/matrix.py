@@ -559,7 +559,7 @@ def _aot_engine(cell: Cell, cfg: Config, est: Estimate, acc: Accelerator, topolo
     that fit (`aot.CompiledEngine.fit_pages`). Its rows."""
     from marljax import aot
     model = dataclasses.replace(PRESETS[cell.model], dtype=cfg.dtype)
-    sets = len(from_config(cfg.policy, cell.roles).sets) if cfg.sampling.mix_sets and cfg.lora.enabled else 0
+    sets = cell.n_sets if cfg.sampling.mix_sets and cfg.lora.enabled else 0
     plan, out = est.engine, []
     for _ in range(3):
         e = aot.compile_engine(cell, cfg, topology, acc, plan, held_bytes=est.memory.lora + est.memory.optimizer,
