@@ -8,7 +8,8 @@ micro-batch holding the cell's longest sample (`rows_per_chip` rows of it per da
 every other role of the cell is present with one short row per chip, so the step holds every role's
 gradient), then lowers it with `jax.ShapeDtypeStruct` arguments that carry their shardings and
 compiles it with libtpu's compile-only client for the topology. XLA's TPU compiler reports per chip:
-  bytes    arguments + outputs + temp − aliased (donated params and optimizer state alias outputs)
+  bytes    XLA's peak (`Program`): arguments, outputs and temporaries live at once (the donated params
+           and optimizer state alias their outputs); temp is what the peak holds beyond arguments and outputs
   flops    the compiled program's FLOPs (`cost_analysis`), beside the model FLOPs of the same tokens
            (`bench/flops.py`: the useful work); their ratio is the recompute overhead (remat, the
            log-prob chunks' rematerialisation, the attention kernel's own backward)
@@ -53,10 +54,7 @@ class Compiled:
     rows: int  # global rows of the longest sample's role
     length: int  # its padded length T
     response: int  # its padded response length R
-    argument_bytes: int
-    output_bytes: int
-    alias_bytes: int
-    temp_bytes: int
+    program: Program  # per-chip bytes: XLA's peak, or what its out-of-memory message says is needed
     hbm_bytes: int
     flops: float  # compiled, per chip, one call
     bytes_accessed: float
@@ -66,15 +64,18 @@ class Compiled:
     compile_s: float
     model_arguments: float = 0.0  # marljax.matrix's memory model of the same step: base + LoRA + Adam
     model_temp: float = 0.0  # … and per-role gradients + train activations
-    oom: str = ""  # XLA's out-of-memory message when the program does not fit
 
     @property
     def total_bytes(self) -> int:
-        return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+        return self.program.total_bytes
+
+    @property
+    def temp_bytes(self) -> int:
+        return self.program.temp_bytes
 
     @property
     def fits(self) -> bool:
-        return not self.oom and self.total_bytes <= self.hbm_bytes
+        return not self.program.oom and self.total_bytes <= self.hbm_bytes
 
     @property
     def recompute(self) -> float:
@@ -310,16 +311,15 @@ def compile_cell(cell, cfg, accelerator: str, acc, *, rows_per_chip: int = 1, at
     t0 = time.perf_counter()
     with sharding.use_mesh(mesh, rules):
         traced = trainer._update_jit.trace(base, state, batches, lr, recompute_old=False)
-        mem_terms, cost, oom, _ = _compile(traced)
+        program, cost = _program(*_compile(traced))
     compile_s = time.perf_counter() - t0
     accessed = float(cost.get("bytes accessed", 0.0))
     flops = traced_flops(traced.jaxpr) / (data * fsdp * tensor)
     return Compiled(cell=cell.name, accelerator=accelerator, mesh=(data, fsdp, tensor),
-                    role=role, rows=rows_per_chip * chips, length=T_long, response=R_long, **dict(zip(
-                        ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes"), mem_terms)),
+                    role=role, rows=rows_per_chip * chips, length=T_long, response=R_long, program=program,
                     hbm_bytes=int(acc.hbm_gb * GiB), flops=flops, bytes_accessed=accessed,
                     model_flops=_model_flops(model_cfg, lora_cfg, batches) / chips,
-                    peak_flops=acc.tflops * 1e12, hbm_bandwidth=acc.hbm_gbs * 1e9, compile_s=compile_s, oom=oom)
+                    peak_flops=acc.tflops * 1e12, hbm_bandwidth=acc.hbm_gbs * 1e9, compile_s=compile_s)
 
 
 def _model_flops(model_cfg, lora_cfg, batches) -> float:
@@ -337,29 +337,32 @@ def _model_flops(model_cfg, lora_cfg, batches) -> float:
 
 def table(results: list[Compiled]) -> str:
     gib = lambda x: f"{x / GiB:7.2f}"  # noqa: E731
-    head = (f"{'cell':38} mesh(d,f,t)  role          rows      T     R   args    out  alias   temp  total"
+    head = (f"{'cell':38} mesh(d,f,t)  role          rows      T     R   args    out  alias   temp   peak"
             f"    hbm fits m.args m.temp  TFLOP  model  ratio  roof_s  compile_s")
     lines = [f"# compiled train step per chip (GiB); one micro-batch: the cell's longest sample, its rows "
              f"per data-parallel chip; m.args/m.temp: marljax.matrix's memory model of the same step; TFLOP per "
              f"chip per call (traced; model: bench/flops.py), roof_s: max(TFLOP / peak, XLA's bytes accessed / "
              f"HBM bandwidth)", head]
     for c in results:
+        p = c.program
         lines.append(f"{c.cell:38} {str(c.mesh):12} {c.role:12} {c.rows:5d} {c.length:6d} {c.response:5d} "
-                     f"{gib(c.argument_bytes)}{gib(c.output_bytes)}{gib(c.alias_bytes)}{gib(c.temp_bytes)}"
+                     f"{gib(p.argument_bytes)}{gib(p.output_bytes)}{gib(p.alias_bytes)}{gib(c.temp_bytes)}"
                      f"{gib(c.total_bytes)}{gib(c.hbm_bytes)} {'yes' if c.fits else 'NO':>4}"
                      f"{gib(c.model_arguments)}{gib(c.model_temp)} "
                      f"{c.flops / 1e12:6.1f} {c.model_flops / 1e12:6.1f} {c.recompute:6.2f} "
-                     f"{c.roofline_s:7.2f} {c.compile_s:10.1f}" + (f"  OOM: {c.oom}" if c.oom else ""))
+                     f"{c.roofline_s:7.2f} {c.compile_s:10.1f}" + (f"  OOM: {p.oom}" if p.oom else ""))
     return "\n".join(lines)
 
 
 # ---- the rollout engine --------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """One compiled program's per-chip bytes (XLA's memory analysis). XLA's TPU `temp_size_in_bytes`
-    leaves out a while loop's buffers (measured: 0 for a loop carrying a 16 MiB product, whose
-    `peak_memory_in_bytes` holds it), and the engine's decode chunk is a while loop: the total is XLA's
-    peak, and temp what the peak holds beyond the arguments and outputs."""
+    """One compiled program's per-chip bytes (XLA's memory analysis). The total is XLA's
+    `peak_memory_in_bytes`, and temp what the peak holds beyond the arguments and outputs: XLA's TPU
+    `temp_size_in_bytes` is no sum of what is live at once. It leaves out a while loop's buffers
+    (measured: 0 for a loop carrying a 16 MiB product, whose peak holds it; the engine's decode chunk is
+    a while loop), and counts buffers that share one allocation once each (a 28-layer train step: 12.23
+    GiB, where the buffer assignment allocates 8.12 GiB of temporaries, docs/scale_out.md)."""
 
     argument_bytes: int
     output_bytes: int
