@@ -120,7 +120,18 @@ def traced_flops(jaxpr) -> float:
     bodies times their trip count (`scan`), both branches' maximum (`cond`), shard_map bodies times
     their shards, Pallas kernels by their own `cost_estimate`. XLA's `cost_analysis` counts every loop
     body once, which undercounts a scanned decoder by its layer count; this counts what the traced
-    program computes, remat recomputation included. Elementwise work is not counted."""
+    program computes, remat recomputation included, after removing the dead code XLA removes too (the
+    frozen weights' gradients a custom VJP computes, the primal copy of a rematerialised custom VJP):
+    without that, a 2-layer Qwen3-0.6B step at T = 8,192 counts 18.5 TFLOP per chip for 12.3.
+    Elementwise work is not counted."""
+    from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public API
+
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    return _product_flops(pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0])
+
+
+def _product_flops(jaxpr) -> float:
+    """`traced_flops` of a jaxpr as it stands (no dead-code removal)."""
     import math
 
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
@@ -132,21 +143,21 @@ def traced_flops(jaxpr) -> float:
             lhs = eqn.invars[0].aval.shape
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
         elif name == "scan":
-            total += params["length"] * traced_flops(params["jaxpr"])
+            total += params["length"] * _product_flops(params["jaxpr"])
         elif name == "cond":
-            total += max(traced_flops(b) for b in params["branches"])
+            total += max(_product_flops(b) for b in params["branches"])
         elif name == "while":
             if any(e.primitive.name == "dot_general" for e in params["body_jaxpr"].jaxpr.eqns):
                 raise ValueError("traced_flops: a while loop with matrix products has no static trip count")
-            total += traced_flops(params["body_jaxpr"])
+            total += _product_flops(params["body_jaxpr"])
         elif name == "pallas_call":
             total += _kernel_flops(eqn)
         elif name == "shard_map":
             shards = math.prod(params["mesh"].shape[a] for a in params["newly_manual_axes"])
-            total += shards * traced_flops(params["jaxpr"])
+            total += shards * _product_flops(params["jaxpr"])
         else:
             for sub in jax_subjaxprs(params):
-                total += traced_flops(sub)
+                total += _product_flops(sub)
     return total
 
 

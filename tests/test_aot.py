@@ -32,6 +32,30 @@ def test_cpu_runs_stay_on_the_cpu_with_libtpu_installed():
     assert "TPU" not in out.stderr  # no TPU probe (libtpu warns about its missing environment when probed)
 
 
+def test_traced_flops_count_what_the_backward_pass_computes():
+    """3 rematerialised layers h ← tanh(h·W) through `dot_f32` (a custom VJP), W frozen: per layer the
+    forward, its recompute in the backward pass and the input's gradient are 3 products of 2·m·k² each
+    (hand count). The weight's gradient the custom VJP also computes is dead code that XLA removes, and
+    is not counted (the former count, without dead-code removal: 4 per layer and then some)."""
+    import jax
+    import jax.numpy as jnp
+
+    from marljax import aot
+    from marljax.models.precision import dot_f32
+
+    m, k, layers = 4, 8, 3
+    w = jnp.ones((k, k), jnp.bfloat16)
+
+    def loss(x):
+        def layer(h, _):
+            return jnp.tanh(dot_f32("mk,kn->mn", h, w)).astype(h.dtype), None
+        return jnp.sum(jax.lax.scan(jax.checkpoint(layer), x, None, length=layers)[0].astype(jnp.float32))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(jnp.ones((m, k), jnp.bfloat16))
+    assert aot.traced_flops(jaxpr) == layers * 3 * 2 * m * k * k
+    assert aot._product_flops(jaxpr) > layers * 3 * 2 * m * k * k  # what the dead code adds
+
+
 @pytest.mark.slow  # two TPU compiles: ~3 CPU-minutes each on this project's 2-core box
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed (pip install libtpu==0.0.42.1, requirements-test.txt)")
 def test_long_context_train_step_compiles_for_v5e_with_linear_temp_memory():
