@@ -44,6 +44,41 @@ class AotError(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled program's per-chip bytes (XLA's memory analysis). The total is XLA's
+    `peak_memory_in_bytes`, and temp what the peak holds beyond the arguments and outputs: XLA's TPU
+    `temp_size_in_bytes` is no sum of what is live at once. It leaves out a while loop's buffers
+    (measured: 0 for a loop carrying a 16 MiB product, whose peak holds it; the engine's decode chunk is
+    a while loop), and counts buffers that share one allocation once each (a 28-layer train step: 12.23
+    GiB, where the buffer assignment allocates 8.12 GiB of temporaries, docs/scale_out.md)."""
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    peak_bytes: int
+    oom_bytes: int = 0  # the bytes XLA's out-of-memory message says the program needs
+    oom: str = ""
+
+    @property
+    def over_bytes(self) -> float:
+        """Bytes over what XLA can place: from its out-of-memory message (needed − available), else 0."""
+        if not self.oom:
+            return 0.0
+        m = re.search(r"Exceeded hbm capacity by ([\d.]+)([KMGT])?", self.oom)  # more exact than the rounded totals
+        if m:
+            return float(m.group(1)) * {None: 1, "K": 1 << 10, "M": 1 << 20, "G": GiB, "T": 1 << 40}[m.group(2)]
+        return self.oom_bytes - _oom_available(self.oom)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak_bytes or self.oom_bytes
+
+    @property
+    def temp_bytes(self) -> int:
+        return self.total_bytes - (self.argument_bytes + self.output_bytes - self.alias_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
 class Compiled:
     """One cell's compiled train step, per chip."""
 
@@ -366,41 +401,6 @@ def table(results: list[Compiled]) -> str:
 
 
 # ---- the rollout engine --------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """One compiled program's per-chip bytes (XLA's memory analysis). The total is XLA's
-    `peak_memory_in_bytes`, and temp what the peak holds beyond the arguments and outputs: XLA's TPU
-    `temp_size_in_bytes` is no sum of what is live at once. It leaves out a while loop's buffers
-    (measured: 0 for a loop carrying a 16 MiB product, whose peak holds it; the engine's decode chunk is
-    a while loop), and counts buffers that share one allocation once each (a 28-layer train step: 12.23
-    GiB, where the buffer assignment allocates 8.12 GiB of temporaries, docs/scale_out.md)."""
-
-    argument_bytes: int
-    output_bytes: int
-    alias_bytes: int
-    peak_bytes: int
-    oom_bytes: int = 0  # the bytes XLA's out-of-memory message says the program needs
-    oom: str = ""
-
-    @property
-    def over_bytes(self) -> float:
-        """Bytes over what XLA can place: from its out-of-memory message (needed − available), else 0."""
-        if not self.oom:
-            return 0.0
-        m = re.search(r"Exceeded hbm capacity by ([\d.]+)([KMGT])?", self.oom)  # more exact than the rounded totals
-        if m:
-            return float(m.group(1)) * {None: 1, "K": 1 << 10, "M": 1 << 20, "G": GiB, "T": 1 << 40}[m.group(2)]
-        return self.oom_bytes - _oom_available(self.oom)
-
-    @property
-    def total_bytes(self) -> int:
-        return self.peak_bytes or self.oom_bytes
-
-    @property
-    def temp_bytes(self) -> int:
-        return self.total_bytes - (self.argument_bytes + self.output_bytes - self.alias_bytes)
-
-
 @dataclasses.dataclass(frozen=True)
 class CompiledEngine:
     """One cell's rollout engine compiled for a topology: its prefill and decode-chunk programs, per chip."""
