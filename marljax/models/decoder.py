@@ -158,9 +158,10 @@ def linear(x, w, name: str, lora_layer: dict | None, lora_scale: float, n_in: in
     out_axes = "xyz"[:n_out]
     spec = f"t{in_axes},{in_axes}{out_axes}->t{out_axes}"
     w = w.astype(x.dtype)
-    if lora_layer is None or name not in lora_layer:  # output in the compute dtype (float32 accumulation)
-        y = jnp.einsum(spec, x, w)
-    else:  # base and delta in float32, rounded once to the compute dtype (models/precision.py)
+    # float32 out, rounded once to the compute dtype (models/precision.py): for bfloat16 the same numbers
+    # as a bfloat16-output dot, which XLA CPU runs 3-8x slower (docs/benchmarks.md "bf16 matmuls")
+    y = dot_f32(spec, x, w)
+    if lora_layer is not None and name in lora_layer:  # the delta added in float32 before the rounding
         a, b = lora_layer[name]["a"], lora_layer[name]["b"]  # a: [(G,) *in, r], b: [(G,) r, *out]
         if token_groups is None:
             h = jnp.einsum(f"t{in_axes},{in_axes}r->tr", x, a.astype(x.dtype))
@@ -170,9 +171,10 @@ def linear(x, w, name: str, lora_layer: dict | None, lora_scale: float, n_in: in
             delta = lora_scale * grouped_lora_delta(
                 x.reshape(x.shape[0], -1), a.reshape(G, -1, r).astype(x.dtype),
                 b.reshape(G, r, -1).astype(x.dtype), token_groups).reshape(x.shape[:1] + w.shape[n_in:])
-        y = (dot_f32(spec, x, w) + delta).astype(x.dtype)
-        if x.dtype != jnp.float32:  # remat's `dots` keeps it: it does not see dot_f32's custom-VJP matmul
-            y = checkpoint_name(y, LINEAR_OUTPUT)
+        y = y + delta
+    y = y.astype(x.dtype)
+    if x.dtype != jnp.float32:  # remat's `dots` keeps it: it does not see dot_f32's custom-VJP matmul
+        y = checkpoint_name(y, LINEAR_OUTPUT)
     return y.reshape(lead + y.shape[1:])
 
 
@@ -369,7 +371,7 @@ def trainable_params(model: Decoder) -> nnx.State:
     return jax.tree.map(lambda x: jnp.array(x, jnp.float32), nnx.state(model, nnx.Param))
 
 
-LINEAR_OUTPUT = "linear_output"  # checkpoint name of a LoRA-adapted map's output in bfloat16
+LINEAR_OUTPUT = "linear_output"  # checkpoint name of a linear map's output in bfloat16
 
 # Activation rematerialisation in the backward pass: what each layer keeps from its forward pass.
 REMAT = {

@@ -9,11 +9,12 @@ cast to the compute dtype where the forward pass reads them.
 
 Matmuls accumulate in float32. XLA's bfloat16 dots do so on every backend (TPU MXU; GPU cuBLAS with a
 float32 compute type; CPU, which upcasts to float32): a bfloat16-output dot is the float32-accumulated
-one rounded once (tests/test_bf16.py), so a dot whose result is rounded at once keeps the compute dtype
-as its output, and its backward keeps bfloat16 operands. `dot_f32` (float32 output) is used where the
-float32 result is consumed before any rounding: a LoRA-adapted map (base + scale·(x A) B summed in float32
-and rounded once, so a small adapter delta is not rounded away against a bfloat16 base output), attention
-scores (softmax in float32) and the logits. RMSNorm, RoPE, softmax, the logits, log-softmax and log-probs
+one rounded once (tests/test_bf16.py), and its backward keeps bfloat16 operands. The linear maps use
+`dot_f32` (float32 output) and round once themselves: the same numbers up to summation order, and on XLA
+CPU with AMX a float32-output bfloat16 dot runs 3-8x faster than a bfloat16-output one (YNNPACK takes
+it; docs/benchmarks.md "bf16 matmuls"); a LoRA-adapted map adds scale·(x A) B in float32 before that
+rounding, so a small adapter delta is not rounded away against a bfloat16 base output. `dot_f32` also
+computes attention scores (softmax in float32) and the logits. RMSNorm, RoPE, softmax, the logits, log-softmax and log-probs
 run in float32 (`decoder`, `attention`, `logprobs`). Parity budgets of bfloat16 against float32:
 tests/test_bf16.py, measured in docs/benchmarks.md ("bf16 parity").
 """
