@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from marljax import sharding
 from marljax.models.decoder import ModelConfig
+from marljax.models.precision import set_at
 
 NULL_PAGE = 0
 POOL_AXES = ("batch", None, None, "act_kv_heads", "head_dim")  # a layer's pool, by logical axis
@@ -62,7 +63,7 @@ def pages_for(positions: int, page_size: int) -> int:
 def copy_pages(pages: list[dict], rank, src, dst) -> list[dict]:
     """Copy page src[i] onto page dst[i] of rank rank[i]'s pool in every layer (in place: the pool is
     donated)."""
-    return [{name: a.at[rank, dst].set(a[rank, src]) for name, a in layer.items()} for layer in pages]
+    return [{name: set_at(a, (rank, dst), a[rank, src]) for name, a in layer.items()} for layer in pages]
 
 
 @functools.partial(jax.jit, static_argnums=1)

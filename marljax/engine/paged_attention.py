@@ -46,6 +46,7 @@ import jax.numpy as jnp
 
 from marljax import sharding
 from marljax.models.attention import attention, target_backend
+from marljax.models.precision import set_at
 
 PAGED_ATTENTIONS = ("auto", "gather", "chunk", "kernel")
 # The kernel's block sizes: KV pages and queries per grid step. Its own table of tuned sizes
@@ -92,7 +93,7 @@ def write_pages(pool_rnpcd, new_btcd, page_table_bw, positions_bt):
     pages_npcd, table_bw = flat_pages(pool_rnpcd, page_table_bw)
     page_size = pages_npcd.shape[1]
     page_bt = jnp.take_along_axis(table_bw, positions_bt // page_size, axis=1)
-    pages_npcd = pages_npcd.at[page_bt, positions_bt % page_size].set(new_btcd.astype(pages_npcd.dtype))
+    pages_npcd = set_at(pages_npcd, (page_bt, positions_bt % page_size), new_btcd)
     return pages_npcd.reshape(pool_rnpcd.shape)
 
 

@@ -109,7 +109,7 @@ def attention(q_bthd, k, v, mask_bts, layout: str = "cache"):
     # A finite floor (not -inf) keeps fully masked padding rows NaN-free in value and gradient.
     scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum(out_spec, probs.astype(v.dtype), v)
+    out = dot_f32(out_spec, probs.astype(v.dtype), v).astype(v.dtype)  # rounded once (models/precision.py)
     if layout == "train":
         out = out.transpose(0, 3, 1, 2, 4)
     return out.reshape(B, T, H, D)

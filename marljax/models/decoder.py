@@ -38,7 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from marljax import sharding
 from marljax.models.attention import attention, causal_attention, resolve_attention
-from marljax.models.precision import check_dtype, dot_f32
+from marljax.models.precision import check_dtype, dot_f32, set_at
 
 # Linear maps of one layer: name -> (input logical axes, output logical axes).
 LINEAR_AXES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -318,8 +318,8 @@ class Decoder(nnx.Module):
                 attn, kv = cache_attention(q, k, v, kv, positions_bt)
             else:  # scatter the new tokens into this layer's cache (in place under jit)
                 rows_bt = jnp.broadcast_to(jnp.arange(B)[:, None], positions_bt.shape)
-                kv = {"k": kv["k"].at[rows_bt, :, positions_bt].set(k.astype(kv["k"].dtype)),
-                      "v": kv["v"].at[rows_bt, :, :, positions_bt].set(v.astype(kv["v"].dtype))}
+                kv = {"k": set_at(kv["k"], (rows_bt, slice(None), positions_bt), k),
+                      "v": set_at(kv["v"], (rows_bt, slice(None), slice(None), positions_bt), v)}
                 attn = attention(q, kv["k"], kv["v"], mask_bts, "cache")
             attn = sharding.constrain(attn, _HEADS)
             x = x + lin(attn, "wo", 2)
