@@ -28,7 +28,7 @@ from flax import nnx
 
 from marljax.models import ChatCodec, load_tokenizer
 from marljax.models.decoder import Decoder, ModelConfig, init_cache, linear, trainable_params
-from marljax.models.precision import dot_f32
+from marljax.models.precision import dot_f32, set_at
 from marljax.config import Config, ConfigError, resolve
 from marljax.models.loading import load_model, random_model
 from marljax.models.presets import PRESETS
@@ -297,3 +297,21 @@ def test_activation_memory_halves():
     print(f"\nkept for backward per row: residual stream (full) {full}, all (dots) {dots}")
     assert full["bfloat16"] == full["float32"] / 2 > 0
     assert dots["bfloat16"] <= dots["float32"] / 2
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_set_at_equals_a_scatter(dtype):
+    """`set_at` (a 16-bit float array scattered as its uint16 bits) writes exactly what `.at[].set` writes,
+    a float32 value rounded to the array's dtype included, at rows × positions like a KV-cache write."""
+    rng = np.random.default_rng(0)
+    cache = jnp.asarray(rng.standard_normal((4, 3, 16, 8)), dtype)
+    new = jnp.asarray(rng.standard_normal((4, 2, 3, 8)), jnp.float32)
+    rows = jnp.broadcast_to(jnp.arange(4)[:, None], (4, 2))
+    positions = jnp.asarray([[0, 1], [5, 6], [14, 15], [2, 9]])
+    index = (rows, slice(None), positions)
+    got = set_at(cache, index, new)
+    assert got.dtype == cache.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(cache.at[index].set(new.astype(dtype)), np.float32))
+    assert not np.array_equal(np.asarray(got, np.float32), np.asarray(cache, np.float32))
+

@@ -81,8 +81,8 @@ def blocked_categorical(key, logits_bv, block: int = GUMBEL_BLOCK):
     entries from the blocks' log masses (P(block) = its summed probability), then an entry within it
     (P(entry | block) = its share of that mass). That takes B·(V/block + block) random numbers where
     `jax.random.categorical` takes B·V: a [64, 49152] draw is 7-9x faster on XLA CPU (threefry;
-    bench/draw.py), where the full-vocabulary draw took ~1/5 of a SmolLM2 decode step. Inverting the CDF at one uniform per row is cheaper still and was
-    rejected: a logit perturbation of 1e-6 (another batch shape's matmul) moves the CDF across the
+    bench/draw.py), where the full-vocabulary draw took ~1/5 of a SmolLM2 decode step. Inverting the CDF
+    at one uniform per row is cheaper still and was rejected: a logit perturbation of 1e-6 (another batch shape's matmul) moves the CDF across the
     uniform for a flat tail or a random model (tiny-qwen3: tokens flipped in tests/test_policy_sampler.py),
     where both Gumbel argmaxes have an O(1) gap: draws stay batch-invariant."""
     B, V = logits_bv.shape

@@ -14,8 +14,8 @@ one rounded once (tests/test_bf16.py), and its backward keeps bfloat16 operands.
 CPU with AMX a float32-output bfloat16 dot runs 3-8x faster than a bfloat16-output one (YNNPACK takes
 it; docs/benchmarks.md "bf16 matmuls"); a LoRA-adapted map adds scale·(x A) B in float32 before that
 rounding, so a small adapter delta is not rounded away against a bfloat16 base output. `dot_f32` also
-computes attention scores (softmax in float32) and the logits. RMSNorm, RoPE, softmax, the logits, log-softmax and log-probs
-run in float32 (`decoder`, `attention`, `logprobs`). Parity budgets of bfloat16 against float32:
+computes attention scores (softmax in float32) and the logits. RMSNorm, RoPE, softmax, the logits,
+log-softmax and log-probs run in float32 (`decoder`, `attention`, `logprobs`). Parity budgets of bfloat16 against float32:
 tests/test_bf16.py, measured in docs/benchmarks.md ("bf16 parity").
 """
 from __future__ import annotations
@@ -67,7 +67,8 @@ _dot_f32.defvjp(_dot_f32_fwd, _dot_f32_bwd)
 def set_at(array, index, values):
     """`array.at[index].set(values)`, values cast to the array's dtype. A 16-bit float array is scattered
     as its uint16 bits (the same result): XLA CPU scatters into bfloat16 by converting the whole array to
-    float32 and back, which for a KV cache costs more than the decode step's matmuls (bench/profile_ops.py)."""
+    float32 and back at every write, which for a bf16 KV cache cost more than the decode step's matmuls
+    (a profiled engine call: docs/benchmarks.md "Rollout engine", session 17)."""
     values = jnp.asarray(values).astype(array.dtype)
     if not (jnp.issubdtype(array.dtype, jnp.floating) and array.dtype.itemsize == 2):
         return array.at[index].set(values)
