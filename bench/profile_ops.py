@@ -5,12 +5,14 @@ joins the trace's op events with the optimized HLO (dumped by XLA) to name each 
 (`op_name` metadata) and output shape. Ops on the two cores overlap, so the sum can exceed the wall time.
 
     python bench/profile_ops.py sampler [--batch 16] [--new 32] [--top 30]
+    python bench/profile_ops.py engine [--batch 64] [--new 32] [--prompt 64]   # the engine's decode chunks
     python bench/profile_ops.py step [--mode lora|full] [--remat full|dots|none] [--batch 8] [--length 256]
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gzip
 import json
 import os
@@ -23,16 +25,17 @@ import time
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["sampler", "step"])
-    ap.add_argument("--batch", type=int, default=None, help="rows (sampler: 16, step: 8)")
-    ap.add_argument("--new", type=int, default=32, help="sampler: new tokens (64-token prompts)")
+    ap.add_argument("what", choices=["sampler", "engine", "step"])
+    ap.add_argument("--batch", type=int, default=None, help="rows (sampler: 16, engine: 64 (its slots), step: 8)")
+    ap.add_argument("--new", type=int, default=32, help="sampler, engine: new tokens (greedy, no stop)")
+    ap.add_argument("--prompt", type=int, default=64, help="sampler, engine: prompt tokens (random ids)")
     ap.add_argument("--mode", choices=["lora", "full"], default="lora", help="step: LoRA r16 or full")
     ap.add_argument("--remat", default="full", help="step: rl.remat")
     ap.add_argument("--length", type=int, default=256, help="step: tokens per row")
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
     work = pathlib.Path(tempfile.mkdtemp(prefix="marljax-profile-"))
-    module = "_sample" if args.what == "sampler" else "_update"
+    module = {"sampler": "_sample", "engine": "_decode_chunk", "step": "_update"}[args.what]
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={work}/hlo "
                                f"--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*{module}.*")
     from marljax import host_memory
@@ -43,11 +46,17 @@ def main():
     from marljax.models import load_model
     model = load_model("smollm2-135m-instruct")
     rng = np.random.default_rng(0)
-    if args.what == "sampler":
-        from marljax.sampling import SamplingParams, generate, layer_weights
-        prompts = rng.integers(100, 40000, (args.batch or 16, 64)).tolist()
+    if args.what in ("sampler", "engine"):
+        from marljax.engine import Engine
+        from marljax.sampling import SamplingParams, layer_weights
+        from marljax.static_sampler import generate_static
+        rows = args.batch or (16 if args.what == "sampler" else 64)
+        prompts = rng.integers(100, 40000, (rows, args.prompt)).tolist()
         layers, sp = layer_weights(model), SamplingParams(max_new_tokens=args.new, temperature=0.0)
-        run = lambda: generate(model, prompts, sp, layers=layers)  # noqa: E731
+        if args.what == "sampler":
+            run = functools.partial(generate_static, model, prompts, sp, layers=layers)
+        else:
+            run = functools.partial(Engine(model, num_slots=rows).generate, prompts, sp, layers=layers)
     else:
         from train_step import Contender, random_batch
         c = Contender(model, random_batch(args.batch or 8, args.length), args.mode == "lora", args.remat)

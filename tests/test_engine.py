@@ -16,8 +16,8 @@ from marljax.engine import Engine
 from marljax.engine.engine import prefill_chunk
 from marljax.engine.kv_pages import PagePool, page_bytes
 from marljax.engine.scheduler import block_groups
-from marljax.engine.paged_attention import (gather_attention, interleave, kernel_cache_attention,
-                                            resolve_paged_attention, write_pages)
+from marljax.engine.paged_attention import (gather_attention, gpu_kernel_cache_attention, interleave,
+                                            kernel_cache_attention, resolve_paged_attention, write_pages)
 from marljax.models.attention import attention
 from marljax.models.decoder import Decoder, ModelConfig
 from marljax.sampling import SamplingParams
@@ -104,11 +104,55 @@ def test_tpu_kernel_in_interpret_mode_equals_gather_path():
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def _gqa_case(dtype):
+    """SmolLM2-135M's attention shape (9 query heads on 3 KV heads of 64, pages of 16), rows whose last
+    positions are 0, 16, 37 and 47 (1, 2, 3 and 3 of 3 pages; W = 3 is padded to the kernel's 4), and
+    their new keys."""
+    B, H, K, Dh, ps, W = 4, 9, 3, 64, 16, 3
+    q, _, _, pool, table = _paged_case(B, 1, H, K, Dh, ps, W)
+    positions = np.asarray([[0], [16], [37], [47]], np.int32)
+    new = jax.random.normal(jax.random.key(9), (B, 1, 2 * K, Dh))
+    return q.astype(dtype), new.astype(dtype), pool.astype(dtype), table, positions
+
+
+@pytest.mark.parametrize("case,dtype,tol", [("kernel", jnp.float32, 1e-5), ("gqa", jnp.float32, 1e-5),
+                                            ("gqa", jnp.bfloat16, 2e-2)])
+def test_gpu_kernel_in_interpret_mode_equals_gather_path(case, dtype, tol):
+    """The GPU paged-attention kernel in Pallas' interpreter, reading keys and values in place from the
+    interleaved pool, against the gather path: decode rows of different lengths (a row at position 0, a
+    page table padded with the null page), grouped queries padded to 16; float32 max error ≤ 1e-5
+    (measured ~1e-6), bfloat16 ≤ 2e-2 (one rounding of inputs and output); the pool written equally."""
+    q, new, pool, table, positions = _kernel_case(1) if case == "kernel" else _gqa_case(dtype)
+    want_pool = write_pages(pool, new, table, positions)
+    want = gather_attention(q, want_pool, table, positions)
+    got, got_pool = gpu_kernel_cache_attention(q, new, pool, table, positions, interpret=True)
+    err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+    print(f"max |GPU kernel (interpret) - gather| = {err:.2e} ({jnp.dtype(dtype).name})")
+    assert got.dtype == q.dtype and err <= tol and np.array_equal(got_pool, want_pool)
+    with pytest.raises(ValueError, match="one query per row"):
+        gpu_kernel_cache_attention(jnp.concatenate([q, q], 1), jnp.concatenate([new, new], 1), pool, table,
+                                   jnp.concatenate([positions, positions], 1))
+
+
+def test_gpu_kernel_lowers_through_triton_with_the_pool_in_place():
+    """Lowered for CUDA on this CPU host (Pallas' Triton lowering: block shapes Triton accepts), the decode
+    step is one Triton call that takes the interleaved pool itself as its key and value operands (no
+    per-step copy into separate key and value pages). Not compiled to PTX nor run: no GPU here."""
+    q, new, pool, table, positions = _gqa_case(jnp.float32)
+    step = jax.jit(lambda *a: gpu_kernel_cache_attention(*a, interpret=False))
+    text = step.trace(q, new, pool, table, positions).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "xla.gpu.triton" in line]
+    assert len(calls) == 1, text[-2000:]
+    pool_type = "tensor<" + "x".join(map(str, pool.shape[1:])) + "xf32>"  # [N, page, 2K, Dh] (one rank)
+    assert calls[0].split(" : (")[-1].count(pool_type) == 2  # keys and values: the same pool operand
+
+
 _KERNEL_ON_A_MESH = """
 import numpy as np, jax, jax.numpy as jnp
 from marljax import sharding
 from marljax.config import MeshConfig
-from marljax.engine.paged_attention import _gathered, gather_attention, per_shard, write_pages
+import functools
+from marljax.engine.paged_attention import _gathered, _gpu_kernel, gather_attention, per_shard, write_pages
 B, T, H, K, Dh, ps, N = 4, 1, 4, 2, 128, 4, 6
 ks = jax.random.split(jax.random.key(0), 3)
 q = jax.random.normal(ks[0], (B, T, H, Dh))
@@ -123,7 +167,10 @@ for ranks in (2, 1):  # a pool per data rank (rows 0-1, rows 2-3), then one repl
     want = gather_attention(q, want_pool, table, pos)
     with sharding.use_mesh(mesh, sharding.RULES["fsdp_tp"]):
         out, pool2 = jax.jit(lambda *a: per_shard(_gathered, *a))(q, new, pool, table, pos)
-    errs += [float(jnp.max(jnp.abs(out - want))), float(jnp.max(jnp.abs(pool2 - want_pool)))]
+        gpu, _ = jax.jit(lambda *a: per_shard(functools.partial(_gpu_kernel, interpret=True), *a))(q, new, pool,
+                                                                                                  table, pos)
+    errs += [float(jnp.max(jnp.abs(out - want))), float(jnp.max(jnp.abs(pool2 - want_pool))),
+             float(jnp.max(jnp.abs(gpu - want)))]
     specs.append(str(pool2.sharding.spec).replace(" ", ""))
 print(max(errs), *specs)
 """
@@ -133,8 +180,9 @@ def test_kernel_path_runs_per_rank_pool_on_a_mesh():
     """On a (data=2, tensor=2) mesh of simulated CPU devices the kernel path's `per_shard` attends once
     per shard, heads split over tensor: with a pool per data rank (rows 0-1 in pool 0, 2-3 in pool 1,
     pool-local page ids) each shard writes its own; with one pool it stays replicated and every chip holds
-    every write. With the gather attention per shard (the kernel's pure-JAX reference is not jittable)
-    attention and pool equal the unsharded gather path."""
+    every write. With the gather attention per shard (the TPU kernel's pure-JAX reference is not
+    jittable), and with the GPU kernel per shard (Pallas' interpreter), attention and pool equal the
+    unsharded gather path."""
     env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"}
     out = subprocess.run([sys.executable, "-c", _KERNEL_ON_A_MESH], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -222,7 +270,8 @@ def test_block_groups_make_every_rank_set_group_contiguous():
 def test_paged_attention_path_by_backend():
     assert resolve_paged_attention("auto", "tpu") == "kernel"
     assert resolve_paged_attention("auto", "cpu") == "chunk"
-    assert resolve_paged_attention("auto", "gpu") == "gather"
+    assert resolve_paged_attention("auto", "gpu") == "gather"  # until gpu_kernel has run on a GPU
+    assert resolve_paged_attention("gpu_kernel", "cpu") == "gpu_kernel"
     assert resolve_paged_attention("kernel", "cpu") == "kernel"
     with pytest.raises(ValueError, match="choose from"):
         resolve_paged_attention("flash")
@@ -246,26 +295,27 @@ def test_greedy_equals_static_sampler_with_few_slots(model):
     assert 0 < engine.stats.peak_kv_bytes < engine.stats.pool_bytes
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_chunk_attention_equals_gather_attention(model, ranks):
-    """Decode chunks over a dense copy of the pages (`chunk`, written back at the chunk's end) against a
-    gather per step: the same sampled tokens and stops (T = 1, top-k, a stop token, 3 slots per rank
-    recycled, chunks of 5 steps over pages of 4), logprobs within 1e-5, and the same pools afterwards
-    (every page but the null page, which takes the padding rows' writes) within 1e-5."""
+@pytest.mark.parametrize("att,ranks", [("chunk", 1), ("chunk", 2), ("gpu_kernel", 1)])
+def test_decode_paths_equal_gather_attention(model, att, ranks):
+    """Decode chunks over a dense copy of the pages (`chunk`, written back at the chunk's end), or through
+    the GPU paged-attention kernel (in Pallas' interpreter here), against a gather per step: the same
+    sampled tokens and stops (T = 1, top-k, a stop token, 3 slots per rank recycled, chunks of 5 steps
+    over pages of 4), logprobs within 1e-5, and the same pools afterwards (every page but the null page,
+    which takes the padding rows' writes) within 1e-5."""
     sp = SamplingParams(max_new_tokens=17, temperature=1.0, top_k=20, seed=3)
     stop = Engine(model, num_slots=2 * ranks, ranks=ranks).generate(PROMPTS, sp).tokens[3][2]
     sp = dataclasses.replace(sp, stop_token_ids=(stop,))
     runs = {}
-    for att in ("gather", "chunk"):
-        engine = Engine(model, num_slots=3 * ranks, page_size=4, chunk_steps=5, attention=att, ranks=ranks)
-        runs[att] = engine, engine.generate(PROMPTS * 2, sp)
-    (eg, g), (ec, c) = runs["gather"], runs["chunk"]
+    for name in ("gather", att):
+        engine = Engine(model, num_slots=3 * ranks, page_size=4, chunk_steps=5, attention=name, ranks=ranks)
+        runs[name] = engine, engine.generate(PROMPTS * 2, sp)
+    (eg, g), (ec, c) = runs["gather"], runs[att]
     assert c.tokens == g.tokens and c.finished == g.finished
     assert any(c.finished) and not all(c.finished)
     np.testing.assert_allclose(np.concatenate(c.logprobs), np.concatenate(g.logprobs), atol=1e-5)
     for lg, lc in zip(eg._spare, ec._spare):
         np.testing.assert_allclose(np.asarray(lc["kv"])[:, 1:], np.asarray(lg["kv"])[:, 1:], atol=1e-5)
-    assert eg.stats.peak_dense_bytes == 0 < ec.stats.peak_dense_bytes
+    assert eg.stats.peak_dense_bytes == 0 and (ec.stats.peak_dense_bytes > 0) == (att == "chunk")
 
 
 def test_sampled_logprobs_equal_teacher_forced_pass(model):

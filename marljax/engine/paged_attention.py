@@ -20,10 +20,15 @@ attends the keys at positions ≤ its own. `impl` (`PAGED_ATTENTIONS`):
           On XLA CPU a gather per step costs more than the attention it feeds (SmolLM2-135M, 64 rows:
           6.8 ms per layer dense, 44 ms gathered; engine throughput 1.7× with chunk, docs/benchmarks.md);
           the price is a transient dense copy of the rows in flight (`EngineStats.peak_dense_bytes`)
+  gpu_kernel  decode rows (one query each; prefill takes the gather path): the body of Pallas' GPU
+          paged-attention kernel (`jax.experimental.pallas.ops.gpu.paged_attention`, Triton; online
+          softmax in float32) in our own `pallas_call`, whose block specs read the keys and values of KV
+          head h as heads 2h and 2h + 1 of the interleaved pool in place: no per-step copy of the pool
+          into the kernel's separate key and value pages (`gpu_kernel_cache_attention`)
   auto    the kernel when the code is traced for a TPU (`models.attention.target_backend`), chunk on a
-          CPU, gather elsewhere.
-There is no GPU kernel here (Pallas' GPU paged attention is not wired in: no GPU to check it on); a GPU
-takes the gather path (chunk's dense copy is the memory paging saves; unmeasured there).
+          CPU, gather elsewhere. A GPU keeps gather until gpu_kernel has run on one: it is checked
+          against the gather path in Pallas' interpreter and lowered through Triton for CUDA on a CPU
+          host (tests/test_engine.py), never compiled to PTX or timed here (no GPU).
 
 Pool layout (`marljax.engine.kv_pages`), per layer {"kv": [R, pages, page_size, 2·kv_heads, head_dim]}:
 R rank pools, keys at the even and values at the odd combined heads (the kernel's layout, which the
@@ -48,7 +53,7 @@ from marljax import sharding
 from marljax.models.attention import attention, target_backend
 from marljax.models.precision import set_at
 
-PAGED_ATTENTIONS = ("auto", "gather", "chunk", "kernel")
+PAGED_ATTENTIONS = ("auto", "gather", "chunk", "kernel", "gpu_kernel")
 # The kernel's block sizes: KV pages and queries per grid step. Its own table of tuned sizes
 # (`ragged_paged_attention.tuned_block_sizes`) keys on the device it runs on, which a CPU host compiling
 # for a TPU is not; these are that table's entries for 16-position pages at its longest contexts on v5
@@ -201,6 +206,61 @@ def _kernel(q_bthd, pages_npcd, page_table_bw, positions_bt, *, mode: str):
     return out.reshape(B, T, H, Dh)
 
 
+# The GPU kernel's pages per inner step (its `pages_per_compute_block`; 16-position pages: 128 keys, the
+# block jax's own wrapper uses by default) and its Triton launch settings (jax's defaults).
+GPU_KV_PAGES, GPU_WARPS, GPU_STAGES = 8, 8, 2
+
+
+def gpu_kernel_cache_attention(q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt, *,
+                               interpret: bool | None = None):
+    """Write the new keys and values into the pool, then the GPU paged-attention kernel over decode rows
+    (T = 1; row b attends its first positions_bt[b, 0] + 1 keys); per shard on a mesh. `interpret`
+    (default: unless tracing for a GPU) runs the kernel in Pallas' interpreter. Returns (attention
+    [B, 1, H, Dh], the pool)."""
+    if q_bthd.shape[1] != 1:
+        raise ValueError(f"the GPU paged-attention kernel takes one query per row (decode), got {q_bthd.shape[1]}.")
+    interpret = target_backend() != "gpu" if interpret is None else interpret
+    return per_shard(functools.partial(_gpu_kernel, interpret=interpret), q_bthd, new_btcd, pool_rnpcd,
+                     page_table_bw, positions_bt)
+
+
+def _gpu_kernel(q_bthd, pages_npcd, page_table_bw, positions_bt, *, interpret: bool):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+    from jax.experimental.pallas.ops.gpu import paged_attention as gpu
+
+    B, _, H, Dh = q_bthd.shape
+    N, ps, C, _ = pages_npcd.shape
+    K, W = C // 2, page_table_bw.shape[1]
+    G, Gp = H // K, -(-(H // K) // 16) * 16  # queries per KV head; padded: Triton's dot takes ≥ 16 rows
+    per_block = min(GPU_KV_PAGES, 1 << (W - 1).bit_length())  # Triton's tensors: powers of two
+    table_bw = jnp.pad(page_table_bw, ((0, 0), (0, -W % per_block)))  # the null page; masked by length
+    # the kernel does not scale: the queries come scaled (float32, then the pages' dtype for its dot)
+    q_bkgd = (q_bthd[:, 0].astype(jnp.float32) * Dh ** -0.5).reshape(B, K, G, Dh)
+    q_bkgd = jnp.pad(q_bkgd, ((0, 0), (0, 0), (0, Gp - G), (0, 0))).astype(pages_npcd.dtype)
+    kernel = functools.partial(gpu.paged_attention_kernel, num_heads=G, pages_per_compute_block=per_block,
+                               mask_value=gpu.DEFAULT_MASK_VALUE, attn_logits_soft_cap=None)
+    pages_spec = [pl.BlockSpec((N, ps, None, Dh), lambda h, i, k, c=c: (0, 0, 2 * h + c, 0)) for c in (0, 1)]
+    per_head = pl.BlockSpec((None, Gp), lambda h, i, k: (h, 0))
+    call = pl.pallas_call(
+        kernel, grid=(K, 1, 1),
+        in_specs=[pl.BlockSpec((None, Gp, Dh), lambda h, i, k: (h, 0, 0)), pages_spec[0], None, pages_spec[1],
+                  None, pl.BlockSpec((table_bw.shape[1],), lambda h, i, k: (0,)),
+                  pl.BlockSpec((1,), lambda h, i, k: (0,))],
+        out_specs=[pl.BlockSpec((None, Gp, Dh), lambda h, i, k: (h, 0, 0)), per_head, per_head],
+        out_shape=[jax.ShapeDtypeStruct((K, Gp, Dh), jnp.float32), jax.ShapeDtypeStruct((K, Gp), jnp.float32),
+                   jax.ShapeDtypeStruct((K, Gp), jnp.float32)],
+        interpret=interpret, compiler_params=plgpu.CompilerParams(num_warps=GPU_WARPS, num_stages=GPU_STAGES),
+        name="marljax_paged_decode")
+
+    def row(q_kgd, table_w, length):
+        o_kgd, l_kg, _ = call(q_kgd, pages_npcd, None, pages_npcd, None, table_w, length[None])
+        return o_kgd[:, :G] / l_kg[:, :G, None]  # the kernel leaves the softmax's sum to its caller
+
+    out_bkgd = jax.vmap(row)(q_bkgd, table_bw, positions_bt[:, 0] + 1)
+    return out_bkgd.reshape(B, 1, H, Dh).astype(q_bthd.dtype)
+
+
 def paged_cache_attention(page_table_bw, impl: str = "auto"):
     """The decoder's `cache_attention` hook over one layer's pool {"kv"} (see the module docstring; chunk
     reads through gather here)."""
@@ -210,6 +270,8 @@ def paged_cache_attention(page_table_bw, impl: str = "auto"):
         new_btcd = interleave(k_btkd, v_btkd)
         if impl == "kernel":
             attn, pool = kernel_cache_attention(q_bthd, new_btcd, kv["kv"], page_table_bw, positions_bt)
+        elif impl == "gpu_kernel" and q_bthd.shape[1] == 1:
+            attn, pool = gpu_kernel_cache_attention(q_bthd, new_btcd, kv["kv"], page_table_bw, positions_bt)
         else:
             pool = write_pages(kv["kv"], new_btcd, page_table_bw, positions_bt)
             attn = gather_attention(q_bthd, pool, page_table_bw, positions_bt)
