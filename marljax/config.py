@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from marljax.engine.engine import PREFILL_CHUNK_MIN
+from marljax.engine.paged_attention import PAGED_ATTENTIONS
 from marljax.models.attention import ATTENTIONS
 from marljax.models.decoder import REMAT
 from marljax.models.lora import ALL_LINEAR, LoRAConfig
@@ -152,8 +153,12 @@ class SamplingSection:
     # LoRA: decode every parameter set in one batch (per-row adapters, no merged copies). Off, each set in
     # flight holds its own stream: its own page pool (max_cache_tokens each) and merged copy of the layers
     mix_sets: bool = False
+    # engine.paged_attention.PAGED_ATTENTIONS: auto (TPU kernel, CPU chunk, else gather) | gather | chunk |
+    # kernel | gpu_kernel (Pallas' Triton decode kernel: opt-in, not yet run on a GPU)
+    paged_attention: str = "auto"
 
     def check(self) -> None:
+        one_of("sampling.paged_attention", self.paged_attention, PAGED_ATTENTIONS)
         if self.prefill_tokens and self.prefill_tokens < PREFILL_CHUNK_MIN:
             raise ConfigError(f"sampling.prefill_tokens={self.prefill_tokens}: a prefill call computes at least "
                               f"{PREFILL_CHUNK_MIN} positions; give 0 (whole prompts) or ≥ {PREFILL_CHUNK_MIN}.")

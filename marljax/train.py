@@ -98,7 +98,8 @@ class Policy:
         settings = SamplerSettings(max_new_tokens=sp.max_new_tokens, top_p=sp.top_p, top_k=sp.top_k,
                                    stop_token_ids=tuple(self.codec.stop_token_ids),
                                    max_cache_tokens=sp.max_cache_tokens, num_slots=sp.num_slots,
-                                   mix_sets=sp.mix_sets, prefill_tokens=sp.prefill_tokens)
+                                   mix_sets=sp.mix_sets, prefill_tokens=sp.prefill_tokens,
+                                   paged_attention=sp.paged_attention)
         return PolicySampler(self.model, params, self.lora_cfg.scale if self.lora_cfg else None, self.mesh,
                              self.rules, settings)
 

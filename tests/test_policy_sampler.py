@@ -63,6 +63,17 @@ def test_max_cache_tokens_caps_the_page_pool():
     np.testing.assert_allclose(np.concatenate(got.logprobs), np.concatenate(want.logprobs), atol=1e-6)
 
 
+def test_paged_attention_setting_reaches_the_engine():
+    """`sampling.paged_attention` is the engine's path: a gather per decode step here (auto: chunk on CPU),
+    with the samples of the default path."""
+    model = load_model("tiny-qwen3", seed=0)
+    gather = _sampler(model, {"a": _adapter(1)}, LORA.scale, dataclasses.replace(SETTINGS, paged_attention="gather"))
+    auto = _sampler(model, {"a": _adapter(1)}, LORA.scale)
+    got, want = gather.sample("a", PROMPTS, 11, 0.7), auto.sample("a", PROMPTS, 11, 0.7)
+    assert gather.engine("a").attention == "gather" and auto.engine("a").attention == "auto"
+    assert got.tokens == want.tokens and gather.engine("a").stats.peak_dense_bytes == 0
+
+
 def test_stream_serves_sets_as_requests_come():
     """Requests of two sets submitted interleaved, some after others finished: each request's output
     depends on its set, prompt and seed only (the same in another order, alone, or with other traffic);
