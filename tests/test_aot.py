@@ -56,7 +56,9 @@ def test_traced_flops_count_what_the_backward_pass_computes():
     assert aot._product_flops(jaxpr) > layers * 3 * 2 * m * k * k  # what the dead code adds
 
 
-# two TPU compiles, 46 s and 49 s on this project's idle 2-core box (2026-12-03): in the default suite
+# two TPU compiles, 46 s and 49 s on this project's idle 2-core box (2026-12-03); 116-139 s of wall in the
+# full suite (2026-12-05), the suite's longest test: `-m slow`
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed (pip install libtpu==0.0.42.1, requirements-test.txt)")
 def test_long_context_train_step_compiles_for_v5e_with_linear_temp_memory():
     """Qwen3-0.6B shapes, 2 layers, splash attention and chunked log-probs, one 4096- and one 8192-token row

@@ -39,10 +39,17 @@ def _run(route, budget, **kw):
     return state.params, m.record()
 
 
-@pytest.mark.parametrize("policy", ["shared", "isolated"])
-@pytest.mark.parametrize("mode", [dict(minibatch="balanced"),
-                                  dict(minibatch="paper", minibatch_size=8, kl_beta=(("aggregator", 0.1),),
-                                       damping_lambda=0.3, role_weighting="inverse_norm")])
+BALANCED = dict(minibatch="balanced")
+PAPER = dict(minibatch="paper", minibatch_size=8, kl_beta=(("aggregator", 0.1),), damping_lambda=0.3,
+             role_weighting="inverse_norm")
+
+
+# The default suite checks each policy and each mode once (shared × balanced, isolated × paper); the other
+# two pairs are `-m slow` (together ~100 s of the suite's wall on 2 cores).
+@pytest.mark.parametrize("policy, mode", [
+    pytest.param("shared", BALANCED, id="shared-balanced"), pytest.param("isolated", PAPER, id="isolated-paper"),
+    pytest.param("shared", PAPER, id="shared-paper", marks=pytest.mark.slow),
+    pytest.param("isolated", BALANCED, id="isolated-balanced", marks=pytest.mark.slow)])
 def test_micro_batched_update_equals_the_single_call(policy, mode):
     params0, rec0 = _run(ROUTES[policy], 0, **mode)
     for budget in (64, 400):
