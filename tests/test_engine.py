@@ -379,6 +379,23 @@ def test_small_pool_makes_requests_wait_and_returns_every_page(model):
         Engine(model, num_slots=4, page_size=4, num_pages=8).generate([list(range(40))], sp)
 
 
+def test_growable_pool_grows_in_eighths_of_a_doubling_and_keeps_its_pages(model):
+    """A growable pool takes `bucket_rows` sizes, at least a quarter more each time (208 pages for 200 needed,
+    where a power of two would take 256), and growing keeps the pages already written."""
+    stream = Engine(model, num_slots=4, page_size=4).stream(SamplingParams(max_new_tokens=4))
+    stream._grow(200)
+    assert stream.num_pages == 208 and all(p.num_pages == 208 for p in stream.pools)
+    stream.pages = [{"kv": layer["kv"].at[:, 207].set(1.0)} for layer in stream.pages]
+    stream._grow(201)  # 202 pages fit: no copy
+    assert stream.num_pages == 208
+    stream._grow(210)  # a quarter more than 208 is 260: bucket_rows(260) = 288
+    assert stream.num_pages == 288 and stream.pages[0]["kv"].shape[1] == 288
+    assert all(float(layer["kv"][:, 207].min()) == 1.0 and float(abs(layer["kv"][:, 208:]).max()) == 0.0
+               for layer in stream.pages)
+    assert stream.pools[0].free == 287 and stream.pools[0].alloc(1) == [1]
+    stream.close()
+
+
 def test_page_pool_refcounts():
     pool = PagePool(5)
     a = pool.alloc(2)

@@ -19,8 +19,8 @@ Shapes are static per chunk and bucketed: prefill rows (per rank) and prompt len
 the decode rows (per rank: the busiest rank's running sequences, at most its slots; the tail of a call
 runs at a small batch) too, the page-table width in pages two per doubling (`shapes.page_bucket`:
 attention reads the pages in flight, rounded up), and the pool; a run compiles a handful of times. Each
-rank's pool is `num_pages` pages, or (None) all grow together by powers of two to what the busiest
-rank's admitted sequences may need at worst; the pools are kept for the engine's next stream.
+rank's pool is `num_pages` pages, or (None) all grow together (in eighths of a doubling, `Stream._grow`) to
+what the busiest rank's admitted sequences may need at worst; the pools are kept for the engine's next stream.
 `prefill_tokens` bounds one prefill call to rows × chunk ≤ that many positions (chunked prefill): long
 prompts are prefilled chunk after chunk, each attending the pages the chunks before it wrote, so a
 30k-token Eval-Opt history costs the activations of one chunk, not of the whole prompt.
@@ -50,7 +50,7 @@ from marljax.engine.paged_attention import dense_cache, paged_cache_attention, r
 from marljax.engine.scheduler import Scheduler, block_groups, rank_rows
 from marljax.models.decoder import Decoder
 from marljax.models.lora import stack_adapters
-from marljax.shapes import bucket, page_bucket
+from marljax.shapes import bucket, bucket_rows, page_bucket
 
 PREFILL_CHUNK_MIN = 16  # positions: the shortest prefill call (prompt lengths bucket up from here)
 
@@ -305,10 +305,12 @@ class Stream:
         self.engine._spare, self.pages = self.pages, None
 
     def _grow(self, pages_needed: int) -> None:
-        """Grow every rank's pool (a power of two of pages) to hold `pages_needed` besides the null page."""
+        """Grow every rank's pool to hold `pages_needed` besides the null page: to a `shapes.bucket_rows` size
+        (eight per doubling: under 12.5% over the need above 128 pages, where a power of two wastes up to
+        half the pool) and by at least a quarter (each size is a copy of the pool and a compile)."""
         if pages_needed + 1 <= self.num_pages:
             return
-        n = bucket(pages_needed + 1)
+        n = bucket_rows(max(pages_needed + 1, self.num_pages * 5 // 4))
         self.pages = grow_pages(self.pages, n - self.num_pages)
         for pool in self.pools:
             pool.grow(n)
