@@ -25,8 +25,9 @@ from marljax.sharding import replicate
 
 
 def generate_static(model: Decoder, prompts: list[list[int]], params: SamplingParams, *, lora=None,
-                    lora_scale: float = 1.0, layers: list[dict] | None = None) -> SampleOutput:
-    """Sample a continuation of every prompt in one static batch; see the module docstring.
+                    lora_scale: float = 1.0, layers: list[dict] | None = None, draw: str = "blocked") -> SampleOutput:
+    """Sample a continuation of every prompt in one static batch; see the module docstring. `draw`: the
+    token draw (`draw.DRAWS`; "categorical" is this sampler's draw at the rollout engine's start).
 
     The decode loop reads per-layer weights (`layer_weights`); without `layers` they are sliced out of
     the stacked parameters on every call (one copy of the weights). Callers that sample repeatedly
@@ -54,7 +55,7 @@ def generate_static(model: Decoder, prompts: list[list[int]], params: SamplingPa
         graphdef, state, layers, lora, jnp.asarray(tokens_bp), jnp.asarray(lengths_b), jnp.asarray(live_b),
         jax.random.key(params.seed), jnp.float32(lora_scale),
         max_new=params.max_new_tokens, temperature=float(params.temperature),
-        top_p=float(params.top_p), top_k=int(params.top_k), stops=stops)
+        top_p=float(params.top_p), top_k=int(params.top_k), stops=stops, draw=draw)
     out_tokens, out_logprobs = np.asarray(out_tokens), np.asarray(out_logprobs)
     n_out, finished = np.asarray(n_out), np.asarray(finished)
     n = len(prompts)
@@ -79,9 +80,9 @@ class DecodeState:
 
 
 @functools.partial(jax.jit, static_argnums=(0,),
-                   static_argnames=("max_new", "temperature", "top_p", "top_k", "stops"))
+                   static_argnames=("max_new", "temperature", "top_p", "top_k", "stops", "draw"))
 def _sample(graphdef, state, layers, lora, tokens_bp, lengths_b, live_b, key, lora_scale, *, max_new,
-            temperature, top_p, top_k, stops):
+            temperature, top_p, top_k, stops, draw):
     model = nnx.merge(graphdef, state)
     B, P = tokens_bp.shape
     cache = init_cache(model.config, B, P + max_new)
@@ -89,7 +90,7 @@ def _sample(graphdef, state, layers, lora, tokens_bp, lengths_b, live_b, key, lo
 
     def pick(h_be, step, key):
         logits_bv = model.logits(h_be)
-        tok_b = choose(logits_bv, jax.random.fold_in(key, step), temperature, top_p, top_k)
+        tok_b = choose(logits_bv, jax.random.fold_in(key, step), temperature, top_p, top_k, draw)
         return tok_b, logprob_of(logits_bv, tok_b, temperature)
 
     if layers is None:

@@ -53,9 +53,9 @@ def first_argmax(x_bv):
     return jnp.min(jnp.where(at_max, iota, x_bv.shape[-1]), axis=-1)
 
 
-def choose(logits_bv, key, temperature: float, top_p: float, top_k: int):
+def choose(logits_bv, key, temperature: float, top_p: float, top_k: int, draw: str = "blocked"):
     """Draw one token per row from float32 logits (greedy when temperature is 0), after top-k / top-p
-    truncation, by `blocked_categorical`."""
+    truncation, by `DRAWS[draw]`."""
     if temperature == 0.0:
         return first_argmax(logits_bv)
     logits = logits_bv / temperature
@@ -70,7 +70,9 @@ def choose(logits_bv, key, temperature: float, top_p: float, top_k: int):
         mass_before = jnp.cumsum(probs, axis=-1) - probs
         cutoff = jnp.min(jnp.where(mass_before < top_p, sorted_desc, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits < cutoff, neg, logits)
-    return blocked_categorical(key, logits)
+    if draw not in DRAWS:
+        raise ValueError(f"draw={draw!r}; choose from {sorted(DRAWS)}.")
+    return DRAWS[draw](key, logits)
 
 
 GUMBEL_BLOCK = 256  # vocabulary entries per block of `blocked_categorical`
@@ -94,6 +96,17 @@ def blocked_categorical(key, logits_bv, block: int = GUMBEL_BLOCK):
     logits_bk = jnp.take_along_axis(logits_bnk, n_b[:, None, None], axis=1)[:, 0]
     k_b = jnp.argmax(logits_bk + jax.random.gumbel(key_entry, logits_bk.shape), axis=-1)
     return (n_b * block + k_b).astype(jnp.int32)
+
+
+def full_categorical(key, logits_bv):
+    """One draw per row by `jax.random.categorical`: a Gumbel number per vocabulary entry. The samplers'
+    draw until `blocked_categorical` (the static sampler's at the rollout engine's start: bench/rollout.py's
+    `static-issue-start` contender)."""
+    return jax.random.categorical(key, logits_bv, axis=-1).astype(jnp.int32)
+
+
+# The exact draws from softmax(logits) `choose` can make; the engine and the samplers use "blocked".
+DRAWS = {"blocked": blocked_categorical, "categorical": full_categorical}
 
 
 def logprob_of(logits_bv, tok_b, temperature: float):
