@@ -534,7 +534,7 @@ def _run_checked(engine, prompts, sp):
     each rank's page references are exactly those of its own sequences, live prefixes and cache: a
     sequence's pages all come from its slot's rank; with growing pools, that every step admitted into
     every free slot (the pools grew to the busiest rank's demand). At the end only cached pages stay in
-    use."""
+    use. Sets `run.most_running`: the most sequences in slots after a step."""
     from collections import Counter
     run = engine.stream(sp)
     base = jax.random.key(sp.seed)
@@ -556,12 +556,14 @@ def _run_checked(engine, prompts, sp):
         return refs
 
     ranks = []  # the rank each request was admitted on
+    run.most_running = 0
     while not run.idle:
         free, waiting = sum(q is None for q in sched.slots), len(sched.waiting)
         run.step()
         if engine.num_pages is None:
             assert waiting - len(sched.waiting) == min(waiting, free)
         ranks += [(q.request, sched.rank_of(s)) for s, q in enumerate(sched.slots) if q is not None]
+        run.most_running = max(run.most_running, sum(q is not None for q in sched.slots))
         for k, pool in enumerate(sched.pools):
             refs = held(k)
             assert 0 not in refs and all(pool.refs[p] == refs[p] for p in range(pool.num_pages)), k
@@ -651,3 +653,42 @@ def test_small_rank_pools_make_requests_wait(model):
     assert engine.stats.pool_bytes == 2 * 15 * page_bytes(CFG, 4)
     with pytest.raises(ValueError, match="num_slots=6 is not a multiple of ranks=4"):
         Engine(model, num_slots=6, ranks=4)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_optimistic_admission_preempts_on_a_short_pool_and_keeps_outputs(model, ranks):
+    """Optimistic admission on fixed pools of 16 pages per rank (the longest prompt's worst case and a few
+    more, in which worst-case admission runs about one sequence per rank at a time): more sequences run at once, the
+    latest are preempted when a chunk's pages run short and restart from their prompts, and the samples
+    (tokens, logprobs, stops) equal those of a worst-case engine with a growable pool; every page
+    reference stays exact after every step and all come back."""
+    prompts = PROMPTS + [[2, 7] * 6, list(range(50, 62))]
+    sp = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=4, stop_token_ids=(1, 2, 3))
+    ref = Engine(model, num_slots=4, page_size=4, chunk_steps=4).generate(prompts, sp)
+    kw = dict(num_slots=4, page_size=4, chunk_steps=4, num_pages=1 + 16, ranks=ranks)
+    worst = Engine(model, **kw)
+    worst_run, _ = _run_checked(worst, prompts, sp)
+    tight = Engine(model, **kw, admission="optimistic")
+    run, _ = _run_checked(tight, prompts, sp)
+    assert tight.stats.preemptions > 0 and worst.stats.preemptions == 0
+    assert [run.result(i)[0] for i in range(len(prompts))] == ref.tokens
+    assert [run.result(i)[2] for i in range(len(prompts))] == ref.finished and any(ref.finished)
+    for i, lp in enumerate(ref.logprobs):
+        np.testing.assert_allclose(run.result(i)[1], lp, atol=1e-5)
+    assert run.most_running > worst_run.most_running  # more sequences in flight at once
+    with pytest.raises(ValueError, match="admission 'lazy'"):
+        Engine(model, admission="lazy")
+
+
+def test_optimistic_admission_grows_a_pool_to_the_tokens_in_flight(model):
+    """A growable pool under optimistic admission grows to what the running sequences write in their next
+    chunk, not to their worst case: smaller than worst-case admission's for sequences that stop early,
+    nothing preempted, the same samples."""
+    sp = SamplingParams(max_new_tokens=48, temperature=1.0, seed=2, stop_token_ids=tuple(range(1, 9)))
+    worst = Engine(model, num_slots=6, page_size=4, chunk_steps=4)
+    lazy = Engine(model, num_slots=6, page_size=4, chunk_steps=4, admission="optimistic")
+    a = worst.generate(PROMPTS, sp)
+    run, _ = _run_checked(lazy, PROMPTS, sp)
+    assert [run.result(i)[0] for i in range(len(PROMPTS))] == a.tokens
+    assert lazy.stats.preemptions == 0 and lazy.stats.pool_bytes < worst.stats.pool_bytes
+    assert lazy.stats.peak_pages <= worst.stats.peak_pages

@@ -20,7 +20,8 @@ the decode rows (per rank: the busiest rank's running sequences, at most its slo
 runs at a small batch) too, the page-table width in pages two per doubling (`shapes.page_bucket`:
 attention reads the pages in flight, rounded up), and the pool; a run compiles a handful of times. Each
 rank's pool is `num_pages` pages, or (None) all grow together (in eighths of a doubling, `Stream._grow`) to
-what the busiest rank's admitted sequences may need at worst; the pools are kept for the engine's next stream.
+what the busiest rank's admitted sequences may need at worst (optimistic `admission`: in their next
+chunk); the pools are kept for the engine's next stream.
 `prefill_tokens` bounds one prefill call to rows × chunk ≤ that many positions (chunked prefill): long
 prompts are prefilled chunk after chunk, each attending the pages the chunks before it wrote, so a
 30k-token Eval-Opt history costs the activations of one chunk, not of the whole prompt.
@@ -47,7 +48,7 @@ from marljax.engine.draw import SampleOutput, SamplingParams, sample_rows
 from marljax.engine.kv_pages import (NULL_PAGE, PagePool, copy_pages, grow_pages, init_pages, page_bytes, pages_for,
                                      pool_pages)
 from marljax.engine.paged_attention import dense_cache, paged_cache_attention, resolve_paged_attention, write_back
-from marljax.engine.scheduler import Scheduler, block_groups, rank_rows
+from marljax.engine.scheduler import ADMISSIONS, Scheduler, block_groups, rank_rows
 from marljax.models.decoder import Decoder
 from marljax.models.lora import stack_adapters
 from marljax.shapes import bucket, bucket_rows, page_bucket
@@ -73,20 +74,25 @@ class EngineStats:
     # the chunk attention path's dense copy of the decode rows' pages (rows × width pages across layers,
     # held during one decode chunk beside the pool): its largest, 0 on the other paths
     peak_dense_bytes: int = 0
+    preemptions: int = 0  # sequences preempted and restarted (optimistic admission, a fixed pool running short)
 
 
 class Engine:
     """See the module docstring. `num_slots`: all ranks' slots (a multiple of `ranks`). `num_pages` fixes
     each rank's pool (requests wait for pages; a prompt that cannot fit alone is refused); None lets
     them grow. `attention`: the paged-attention path (`marljax.engine.paged_attention.PAGED_ATTENTIONS`;
-    auto: the TPU kernel on a TPU)."""
+    auto: the TPU kernel on a TPU). `admission` (`marljax.engine.scheduler.ADMISSIONS`): what a request must
+    find free to be admitted, its worst case or its first chunk (optimistic: a pool sized by the tokens in
+    flight, preempting the latest requests when it runs short; a growable pool grows instead)."""
 
     def __init__(self, model: Decoder, *, num_slots: int = 64, page_size: int = 16, num_pages: int | None = None,
                  chunk_steps: int = 16, share_prefixes: bool = True, attention: str = "auto",
-                 prefill_tokens: int | None = None, ranks: int = 1):
+                 prefill_tokens: int | None = None, ranks: int = 1, admission: str = "worst_case"):
         if num_slots < 1 or page_size < 1 or chunk_steps < 1 or ranks < 1:
             raise ValueError(f"num_slots={num_slots}, page_size={page_size}, chunk_steps={chunk_steps} and "
                              f"ranks={ranks} must be ≥ 1.")
+        if admission not in ADMISSIONS:
+            raise ValueError(f"admission {admission!r}; choose from {ADMISSIONS}.")
         if num_slots % ranks:
             raise ValueError(f"num_slots={num_slots} is not a multiple of ranks={ranks}: every rank needs as many "
                              "slots.")
@@ -96,6 +102,7 @@ class Engine:
         self.model, self.num_slots, self.page_size = model, num_slots, page_size
         self.num_pages, self.chunk_steps, self.share_prefixes = num_pages, chunk_steps, share_prefixes
         self.attention, self.prefill_tokens, self.ranks = attention, prefill_tokens, ranks
+        self.admission = admission
         self.graphdef, self.state = nnx.split(model)
         self.stats = EngineStats()
         self._spare = None  # a pool no stream holds, reused by the next one
@@ -206,7 +213,7 @@ class Stream:
         self.pools = [PagePool(engine.num_pages or spare) for _ in range(engine.ranks)]  # one per rank
         self.pages = engine._take_pool(self.num_pages)
         self.sched = Scheduler(self.pools, engine.num_slots, ps, params.max_new_tokens, engine.share_prefixes,
-                               num_groups)
+                               num_groups, engine.admission, engine.chunk_steps)
         self.keys_nk = np.zeros((0, 0), np.uint32)
         self.stops = tuple(sorted(set(params.stop_token_ids))) or (-1,)
         self.sampling = dict(temperature=float(params.temperature), top_p=float(params.top_p),
@@ -294,6 +301,7 @@ class Stream:
         cfg = e.model.config
         stats.prefill_tokens = sched.prefill_tokens
         stats.cached_tokens = sched.cached_tokens
+        stats.preemptions = sched.preemptions
         stats.generated_tokens = sum(len(t) for t in sched.tokens)
         stats.peak_pages = sum(pool.peak_in_use for pool in self.pools)
         stats.peak_kv_bytes = stats.peak_pages * page_bytes(cfg, e.page_size)

@@ -7,13 +7,22 @@ slot's rank. Decode chunks lay the rows out in rank blocks (`batch`), the layout
 `marljax.engine.paged_attention` maps to the rank pools. With R = 1 there is one pool.
 
 Requests wait in submission order. Between decode chunks the scheduler frees the slots (and pages) of
-finished sequences and admits waiting requests, head of the queue first, into free slots. A request is
-admitted only when its rank's pool can hold everything it may still write (its worst case: prompt +
-max_new − 1 positions, less the pages it shares), counting what the rank's running sequences may still
-need; so a running sequence never finds its pool empty, and pages are still taken one chunk at a time
-(`grow`): the pages in use are the tokens in flight. The head request goes to a rank that already holds
-its prompt's prefix (and can afford its own pages), else to the rank that can afford prefix and own
-pages with the most free slots (the lowest such rank on a tie); when none can, admission stops.
+finished sequences and admits waiting requests, head of the queue first, into free slots, while their
+rank's pool can hold what they need (`ADMISSIONS`):
+  worst_case  everything a request may still write (prompt + max_new − 1 positions, less the pages it
+              shares), counting what the rank's running sequences may still take: a running sequence
+              never finds its pool empty, but a pool must hold every admitted sequence at its longest
+  optimistic  the pages of its first decode chunk (`lookahead` steps), counting the next chunk of every
+              running sequence (vLLM's policy): the pool holds the tokens in flight. When a chunk's
+              pages run short (`grow`), the rank's running sequences of the latest requests are preempted
+              until they fit: their pages freed, their tokens dropped, their requests back at the head of
+              the queue, to be prefilled and sampled again from the start. A request draws its t-th token
+              with its own key (`marljax.engine.engine`), so its restart yields what it would have; the
+              earliest request running on a rank is never preempted (unless alone), so every rank progresses
+Either way pages are taken one chunk at a time (`grow`): the pages in use are the tokens in flight. The
+head request goes to a rank that already holds its prompt's prefix (and can afford its own pages), else to
+the rank that can afford prefix and own pages with the most free slots (the lowest such rank on a tie);
+when none can, admission stops.
 
 Shared prefixes: requests with an identical prompt (and parameter set) share one `Prefix` per rank,
 prefilled once into that rank's pages (the prompt's full pages plus a template of its last, partial
@@ -36,6 +45,8 @@ import numpy as np
 from marljax.engine.kv_pages import NULL_PAGE, PagePool, pages_for
 from marljax.engine.prefix_cache import PrefixCache
 from marljax.shapes import bucket
+
+ADMISSIONS = ("worst_case", "optimistic")
 
 
 @dataclasses.dataclass
@@ -111,10 +122,15 @@ def block_groups(rank_set: list[tuple[int, int]], num_ranks: int, per_rank: int,
 
 class Scheduler:
     """See the module docstring. Request ids are the prompts' indices in `submit` order. `pools`: one
-    `PagePool` per rank, of equal size; `num_slots` a multiple of their number."""
+    `PagePool` per rank, of equal size; `num_slots` a multiple of their number. `admission`: `ADMISSIONS`;
+    `lookahead`: the decode steps of a chunk (what optimistic admission reserves for)."""
 
     def __init__(self, pools: list[PagePool], num_slots: int, page_size: int, max_new: int, share_prefixes: bool,
-                 num_groups: int = 1):
+                 num_groups: int = 1, admission: str = "worst_case", lookahead: int = 1):
+        if admission not in ADMISSIONS:
+            raise ValueError(f"admission {admission!r}; choose from {ADMISSIONS}.")
+        self.optimistic, self.lookahead = admission == "optimistic", lookahead
+        self.preemptions = 0  # sequences preempted (optimistic admission)
         self.pools, self.page_size, self.max_new = pools, page_size, max_new
         self.ranks, self.rank_slots = len(pools), num_slots // len(pools)
         self.share = share_prefixes
@@ -179,6 +195,17 @@ class Scheduler:
     def _own_worst(self, prompt_len: int) -> int:
         return pages_for(prompt_len + self.max_new - 1, self.page_size) - prompt_len // self.page_size
 
+    def _own_need(self, prompt_len: int) -> int:
+        """Own pages a request of this prompt length needs to be admitted (module docstring)."""
+        if not self.optimistic:
+            return self._own_worst(prompt_len)
+        last = min(prompt_len + self.lookahead, prompt_len + self.max_new - 1)  # positions it writes, + 1
+        return pages_for(last, self.page_size) - prompt_len // self.page_size
+
+    def _short(self, q: Sequence, steps: int) -> int:
+        """Pages sequence q lacks for its next `steps` decode steps."""
+        return max(0, (min(q.pos + steps, q.limit) - 1) // self.page_size + 1 - len(q.pages))
+
     @property
     def running(self) -> list[tuple[int, Sequence]]:
         """(slot, sequence) of the running sequences by rank, then by parameter set (per-row adapters need
@@ -208,8 +235,9 @@ class Scheduler:
                 self.caches[p.rank].insert(p.group, p.prompt, p.full_pages)
 
     def _reserved(self, rank: int) -> int:
-        """Pages `rank`'s running sequences may still take."""
-        return sum(self._own_worst(len(q.prefix.prompt)) - len(q.own_pages)
+        """Pages `rank`'s running sequences may still take (optimistic: in their next chunk)."""
+        return sum(self._short(q, self.lookahead) if self.optimistic else
+                   self._own_worst(len(q.prefix.prompt)) - len(q.own_pages)
                    for s, q in enumerate(self.slots) if q is not None and self.rank_of(s) == rank)
 
     def _free_slots(self, rank: int) -> list[int]:
@@ -228,7 +256,7 @@ class Scheduler:
             costs, fresh = [], set()
             for r in heads:
                 key, n = self._key(r), len(self.prompts[r])
-                costs.append(self._own_worst(n))
+                costs.append(self._own_need(n))
                 if (rank, key) not in self.prefixes and key not in fresh:
                     fresh.add(key)
                     costs[-1] += self._prefix_pages(n)
@@ -238,7 +266,7 @@ class Scheduler:
 
     # ---- admission -----------------------------------------------------------------------------
     def admit(self) -> Admission:
-        """Fill free slots with waiting requests, in order, while a rank's pool can hold their worst case."""
+        """Fill free slots with waiting requests, in order, while a rank's pool can hold what they need."""
         adm = Admission([], [], [], [], [])
         free = [self._free_slots(rank) for rank in range(self.ranks)]
         budget = [pool.free + self._evictable(k) - self._reserved(k) for k, pool in enumerate(self.pools)]
@@ -246,7 +274,7 @@ class Scheduler:
         while self.waiting:
             r = self.waiting[0]
             key, prompt_len = self._key(r), len(self.prompts[r])
-            own_need, prefix_need = self._own_worst(prompt_len), self._prefix_pages(prompt_len)
+            own_need, prefix_need = self._own_need(prompt_len), self._prefix_pages(prompt_len)
             rank = self._place(key, own_need, prefix_need, free, budget)
             if rank is None:
                 break
@@ -325,14 +353,34 @@ class Scheduler:
         self.finished.append(self.slots[slot].request)
         self.slots[slot] = None
 
+    def _preempt(self, slot: int) -> None:
+        """Free the slot and pages of its sequence and queue its request again, from the start."""
+        q = self.slots[slot]
+        self.pools[self.rank_of(slot)].release(q.pages)
+        self.slots[slot] = None
+        r = q.request
+        self.tokens[r], self.logprobs[r], self.hit[r] = [], [], False
+        self.waiting = sorted(self.waiting + [r])
+        key = self._key(r)
+        self.pending[key] = self.pending.get(key, 0) + 1
+        self.preemptions += 1
+
     # ---- decode chunks -------------------------------------------------------------------------
     def grow(self, steps: int) -> int:
         """Give each running sequence the pages its next `steps` decode steps write (from its rank's
-        pool); returns the most pages any sequence then holds."""
+        pool), preempting the latest requests of a rank whose pool runs short (optimistic admission);
+        returns the most pages any sequence then holds."""
+        for rank, pool in enumerate(self.pools):
+            mine = sorted((q.request, s) for s, q in enumerate(self.slots) if q is not None and self.rank_of(s) == rank)
+            while self.optimistic and (sum(self._short(self.slots[s], steps) for _, s in mine)
+                                       > pool.free + self._evictable(rank)):
+                if len(mine) == 1:
+                    raise RuntimeError(f"request {mine[0][0]} cannot grow alone in rank {rank}'s pool: its pages are "
+                                       "held by prompts whose other rollouts wait; give the engine more pages.")
+                self._preempt(mine.pop()[1])
         widest = 1
         for s, q in self.running:
-            last = min(q.pos + steps, q.limit) - 1  # the last position this chunk may write
-            short = last // self.page_size + 1 - len(q.pages)
+            short = self._short(q, steps)
             if short > 0:
                 q.pages += self._alloc(self.rank_of(s), short)
             widest = max(widest, len(q.pages))
