@@ -127,9 +127,7 @@ class Scheduler:
 
     def __init__(self, pools: list[PagePool], num_slots: int, page_size: int, max_new: int, share_prefixes: bool,
                  num_groups: int = 1, admission: str = "worst_case", lookahead: int = 1):
-        if admission not in ADMISSIONS:
-            raise ValueError(f"admission {admission!r}; choose from {ADMISSIONS}.")
-        self.optimistic, self.lookahead = admission == "optimistic", lookahead
+        self.optimistic, self.lookahead = admission == "optimistic", lookahead  # `Engine` checks `admission`
         self.preemptions = 0  # sequences preempted (optimistic admission)
         self.pools, self.page_size, self.max_new = pools, page_size, max_new
         self.ranks, self.rank_slots = len(pools), num_slots // len(pools)
@@ -370,10 +368,9 @@ class Scheduler:
         """Give each running sequence the pages its next `steps` decode steps write (from its rank's
         pool), preempting the latest requests of a rank whose pool runs short (optimistic admission);
         returns the most pages any sequence then holds."""
-        for rank, pool in enumerate(self.pools):
+        for rank, pool in enumerate(self.pools if self.optimistic else []):
             mine = sorted((q.request, s) for s, q in enumerate(self.slots) if q is not None and self.rank_of(s) == rank)
-            while self.optimistic and (sum(self._short(self.slots[s], steps) for _, s in mine)
-                                       > pool.free + self._evictable(rank)):
+            while sum(self._short(self.slots[s], steps) for _, s in mine) > pool.free + self._evictable(rank):
                 if len(mine) == 1:
                     raise RuntimeError(f"request {mine[0][0]} cannot grow alone in rank {rank}'s pool: its pages are "
                                        "held by prompts whose other rollouts wait; give the engine more pages.")
