@@ -47,7 +47,8 @@ from marljax import sharding
 from marljax.engine.draw import SampleOutput, SamplingParams, sample_rows
 from marljax.engine.kv_pages import (NULL_PAGE, PagePool, copy_pages, grow_pages, init_pages, page_bytes, pages_for,
                                      pool_pages)
-from marljax.engine.paged_attention import dense_cache, paged_cache_attention, resolve_paged_attention, write_back
+from marljax.engine.paged_attention import (dense_cache, grouped_cache_attention, length_groups, paged_cache_attention,
+                                            resolve_paged_attention, write_back)
 from marljax.engine.scheduler import ADMISSIONS, Scheduler, block_groups, rank_rows
 from marljax.models.decoder import Decoder
 from marljax.models.lora import stack_adapters
@@ -87,10 +88,11 @@ class Engine:
 
     def __init__(self, model: Decoder, *, num_slots: int = 64, page_size: int = 16, num_pages: int | None = None,
                  chunk_steps: int = 16, share_prefixes: bool = True, attention: str = "auto",
-                 prefill_tokens: int | None = None, ranks: int = 1, admission: str = "worst_case"):
-        if num_slots < 1 or page_size < 1 or chunk_steps < 1 or ranks < 1:
-            raise ValueError(f"num_slots={num_slots}, page_size={page_size}, chunk_steps={chunk_steps} and "
-                             f"ranks={ranks} must be ≥ 1.")
+                 prefill_tokens: int | None = None, ranks: int = 1, admission: str = "worst_case",
+                 length_groups: int = 4):
+        if min(num_slots, page_size, chunk_steps, ranks, length_groups) < 1:
+            raise ValueError(f"num_slots={num_slots}, page_size={page_size}, chunk_steps={chunk_steps}, "
+                             f"ranks={ranks} and length_groups={length_groups} must be ≥ 1.")
         if admission not in ADMISSIONS:
             raise ValueError(f"admission {admission!r}; choose from {ADMISSIONS}.")
         if num_slots % ranks:
@@ -102,7 +104,7 @@ class Engine:
         self.model, self.num_slots, self.page_size = model, num_slots, page_size
         self.num_pages, self.chunk_steps, self.share_prefixes = num_pages, chunk_steps, share_prefixes
         self.attention, self.prefill_tokens, self.ranks = attention, prefill_tokens, ranks
-        self.admission = admission
+        self.admission, self.length_groups = admission, length_groups
         self.graphdef, self.state = nnx.split(model)
         self.stats = EngineStats()
         self._spare = None  # a pool no stream holds, reused by the next one
@@ -288,13 +290,16 @@ class Stream:
             b = sched.batch(width)
             rows = len(b["token"])
             lora = None if self.lora is None else {**self.lora, "lora_groups": b["groups"]}
+            order, widths = None, None
+            if resolve_paged_attention(e.attention) == "chunk":
+                order, widths = length_groups(b["held"], e.ranks, e.length_groups)
+                dense = rows // len(widths) * sum(widths) * page_bytes(e.model.config, e.page_size)
+                stats.peak_dense_bytes = max(stats.peak_dense_bytes, dense)
             self.pages, out = _decode_chunk(
                 e.graphdef, e.state, self.layers, self.pages, b["page_table"], b["token"], b["pos"], b["n_gen"],
-                b["live"], self.keys_nk[b["request"]], jnp.int32(self.params.max_new_tokens), lora,
-                steps=e.chunk_steps, stops=self.stops, attention=e.attention, **self.sampling)
+                b["live"], self.keys_nk[b["request"]], jnp.int32(self.params.max_new_tokens), lora, order,
+                steps=e.chunk_steps, stops=self.stops, attention=e.attention, widths=widths, **self.sampling)
             out = jax.tree.map(np.asarray, out)
-            if resolve_paged_attention(e.attention) == "chunk":
-                stats.peak_dense_bytes = max(stats.peak_dense_bytes, b["page_table"].size * page_bytes(e.model.config, e.page_size))
             stats.decode_chunks += 1
             stats.decode_steps += int(out["steps"]) * rows
             sched.advance(out["tok"], out["logp"], out["n_gen"], out["token"], out["pos"], out["hit"], out["done"])
@@ -353,19 +358,26 @@ def _first_tokens(graphdef, state, hidden_md, keys_mk, *, temperature, top_p, to
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3,
-                   static_argnames=("steps", "temperature", "top_p", "top_k", "stops", "attention"))
+                   static_argnames=("steps", "temperature", "top_p", "top_k", "stops", "attention", "widths"))
 def _decode_chunk(graphdef, state, layers, pages, table_sw, token_s, pos_s, n_gen_s, live_s, keys_sk, max_new, lora,
-                  *, steps, temperature, top_p, top_k, stops, attention="auto"):
+                  order_s, *, steps, temperature, top_p, top_k, stops, attention="auto", widths=None):
     """Up to `steps` decode steps over every slot (fewer when all are done). A slot stops on a stop token
     or at max_new tokens; a done slot keeps rewriting its last position with the token it read there
     (inside its own pages), so it never writes past what the scheduler gave it. `lora`: None, or the
-    stream's stacked adapters with the rows of each set ({"lora", "lora_scale", "lora_groups"})."""
+    stream's stacked adapters with the rows of each set ({"lora", "lora_scale", "lora_groups"}). The
+    chunk path's length groups (`paged_attention.length_groups`): rows `order_s`, page-table `widths`."""
     model = nnx.merge(graphdef, state)
     S = token_s.shape[0]
     stop_ids = jnp.asarray(stops, jnp.int32)
     chunk = resolve_paged_attention(attention) == "chunk"
-    attend = None if chunk else paged_cache_attention(table_sw, attention)
-    kv = [dense_cache(layer["kv"], table_sw) for layer in pages] if chunk else pages
+    if chunk:
+        n = S // len(widths)
+        rows_g = [order_s[g * n: (g + 1) * n] for g in range(len(widths))]
+        tables_g = [table_sw[rows, :w] for rows, w in zip(rows_g, widths)]
+        attend = grouped_cache_attention(order_s, len(widths))
+        kv = [[dense_cache(layer["kv"], table) for table in tables_g] for layer in pages]
+    else:
+        attend, kv = paged_cache_attention(table_sw, attention), pages
 
     def cond(carry):
         return (carry["i"] < steps) & ~jnp.all(carry["done"])
@@ -391,8 +403,13 @@ def _decode_chunk(graphdef, state, layers, pages, table_sw, token_s, pos_s, n_ge
     kv = c.pop("pages")
     if chunk:  # a running row's last write is one before its next position
         last_s = jnp.where(c["done"], c["pos"], c["pos"] - 1)
-        pages = [{"kv": write_back(layer["kv"], cache, table_sw, pos_s, last_s, steps)}
-                 for layer, cache in zip(pages, kv)]
+        new = []
+        for layer, caches in zip(pages, kv):
+            pool = layer["kv"]
+            for rows, table, cache in zip(rows_g, tables_g, caches):
+                pool = write_back(pool, cache, table, pos_s[rows], last_s[rows], steps)
+            new.append({"kv": pool})
+        pages = new
     else:
         pages = kv
     c["steps"] = c.pop("i")

@@ -388,7 +388,7 @@ class Scheduler:
         busiest rank runs (rounded up to a power of two, at most its slots), rank r's sequences first in
         block r in `running` order, the rest idle. Page tables [rows, width] (pool-local page ids,
         null-padded), next input token, its position, tokens generated so far, request id (its RNG
-        stream), liveness, and the rows of each rank's parameter sets ("groups" [R·num_groups], `block_groups`). Rows, not slots: a
+        stream), liveness, pages held ("held"), and the rows of each rank's parameter sets ("groups" [R·num_groups], `block_groups`). Rows, not slots: a
         chunk computes only as many rows as are running (rounded up), so the tail of a call runs at a
         small batch. The row → slot map is kept for `advance`."""
         slots = [s for s, _ in self.running]
@@ -396,7 +396,7 @@ class Scheduler:
         rows = self.ranks * per_rank
         out = {"page_table": np.full((rows, width), NULL_PAGE, np.int32), "token": np.zeros(rows, np.int32),
                "pos": np.zeros(rows, np.int32), "n_gen": np.zeros(rows, np.int32),
-               "request": np.zeros(rows, np.int32), "live": np.zeros(rows, bool),
+               "request": np.zeros(rows, np.int32), "live": np.zeros(rows, bool), "held": np.zeros(rows, np.int32),
                "groups": block_groups([(self.rank_of(s), q.prefix.group) for s, q in self.running], self.ranks,
                                       per_rank, self.num_groups)}
         self.rows = list(zip(at, slots))
@@ -404,7 +404,7 @@ class Scheduler:
             q = self.slots[s]
             out["page_table"][r, : len(q.pages)] = q.pages
             out["token"][r], out["pos"][r], out["n_gen"][r] = q.token, q.pos, q.n_gen
-            out["request"][r], out["live"][r] = q.request, True
+            out["request"][r], out["live"][r], out["held"][r] = q.request, True, len(q.pages)
         return out
 
     def advance(self, tok_rk, logp_rk, n_gen_r, token_r, pos_r, hit_r, done_r) -> None:

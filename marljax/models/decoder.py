@@ -293,9 +293,7 @@ class Decoder(nnx.Module):
         if cache is None:
             impl = resolve_attention(attention_impl, T, c.jnp_dtype)
         elif cache_attention is None:
-            S = cache[0]["k"].shape[2]
-            key_pos_bs = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-            mask_bts = key_pos_bs[:, None, :] <= positions_bt[:, :, None]
+            mask_bts = cache_mask(cache[0]["k"].shape[2], positions_bt)
             if kv_mask_bs is not None:
                 mask_bts = mask_bts & kv_mask_bs[:, None, :]
         rot = rope_tables(positions_bt, c.head_dim, c.rope_theta)
@@ -316,10 +314,8 @@ class Decoder(nnx.Module):
                 attn = causal_attention(q, k, v, positions_bt, kv_mask_bs, impl)
             elif cache_attention is not None:
                 attn, kv = cache_attention(q, k, v, kv, positions_bt)
-            else:  # scatter the new tokens into this layer's cache (in place under jit)
-                rows_bt = jnp.broadcast_to(jnp.arange(B)[:, None], positions_bt.shape)
-                kv = {"k": set_at(kv["k"], (rows_bt, slice(None), positions_bt), k),
-                      "v": set_at(kv["v"], (rows_bt, slice(None), slice(None), positions_bt), v)}
+            else:
+                kv = write_cache(kv, k, v, positions_bt)
                 attn = attention(q, kv["k"], kv["v"], mask_bts, "cache")
             attn = sharding.constrain(attn, _HEADS)
             x = x + lin(attn, "wo", 2)
@@ -402,6 +398,19 @@ def _token_groups(lora, lora_groups, cache, tokens_per_row: int):
 
 _HEADS = ("batch", "length", "act_heads", "head_dim")
 _KV_HEADS = ("batch", "length", "act_kv_heads", "head_dim")
+
+
+def write_cache(kv, k_btkd, v_btkd, positions_bt):
+    """The dense cache `kv` (`init_cache`'s layouts) with row b's new keys and values at its columns
+    positions_bt[b] (a scatter, in place under jit)."""
+    rows_bt = jnp.broadcast_to(jnp.arange(positions_bt.shape[0])[:, None], positions_bt.shape)
+    return {"k": set_at(kv["k"], (rows_bt, slice(None), positions_bt), k_btkd),
+            "v": set_at(kv["v"], (rows_bt, slice(None), slice(None), positions_bt), v_btkd)}
+
+
+def cache_mask(columns: int, positions_bt):
+    """[B, T, S]: query t of row b sees dense-cache column s iff s ≤ its position (column = position)."""
+    return jnp.arange(columns, dtype=jnp.int32)[None, None, :] <= positions_bt[:, :, None]
 
 
 def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> list[dict[str, Any]]:
