@@ -17,10 +17,12 @@ from marljax.engine.engine import prefill_chunk
 from marljax.engine.kv_pages import PagePool, page_bytes
 from marljax.engine.scheduler import block_groups
 from marljax.engine.paged_attention import (gather_attention, gpu_kernel_cache_attention, interleave,
-                                            kernel_cache_attention, resolve_paged_attention, write_pages)
+                                            kernel_cache_attention, length_groups, resolve_paged_attention,
+                                            write_pages)
 from marljax.models.attention import attention
 from marljax.models.decoder import Decoder, ModelConfig
 from marljax.sampling import SamplingParams
+from marljax.shapes import page_bucket
 from marljax.static_sampler import generate_static as generate
 
 CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -316,6 +318,46 @@ def test_decode_paths_equal_gather_attention(model, att, ranks):
     for lg, lc in zip(eg._spare, ec._spare):
         np.testing.assert_allclose(np.asarray(lc["kv"])[:, 1:], np.asarray(lg["kv"])[:, 1:], atol=1e-5)
     assert eg.stats.peak_dense_bytes == 0 and (ec.stats.peak_dense_bytes > 0) == (att == "chunk")
+
+
+def test_length_groups_order_rows_by_pages_rank_major():
+    """Each rank block sorted by pages held, cut into G parts; group g = part g of every block; widths are
+    the page buckets of each group's longest row; G halves until parts hold LENGTH_GROUP_ROWS rows."""
+    held = np.array([5, 1, 9, 3] * 4 + [2, 7, 0, 4] * 4)  # 2 ranks × 16 rows
+    order, widths = length_groups(held, ranks=2, most=4)
+    assert len(widths) == 2  # 16 rows per rank: two parts of 8
+    assert sorted(order.tolist()) == list(range(32))
+    g0, g1 = order[:16], order[16:]
+    assert (g0[:8] < 16).all() and (g0[8:] >= 16).all() and (g1[:8] < 16).all() and (g1[8:] >= 16).all()
+    assert held[g0[:8]].max() <= held[g1[:8]].min() and held[g0[8:]].max() <= held[g1[8:]].min()
+    assert widths == (page_bucket(3), page_bucket(9))  # rank 0: 1 1 1 1 3 3 3 3 | 5 …; rank 1: 0 … 2 | 4 … 7
+    assert length_groups(held, ranks=2, most=1)[1] == (page_bucket(9),)
+    assert length_groups(held[:12], ranks=1, most=4)[1] == (page_bucket(9),)  # 12 rows: no part of 8 divides
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_length_groups_decode_like_one_group_and_gather(model, ranks):
+    """The chunk path with its rows in length groups (16 slots per rank: 2 groups of 8, prompts of 1 to 35
+    tokens, so the groups' widths differ) against one group and against a gather per step: the same
+    sampled tokens and stops, logprobs within 1e-5, pools within 1e-5, and a smaller dense copy."""
+    prompts = [p[: 1 + 3 * i % len(p)] for i, p in enumerate(PROMPTS * 6)]
+    sp = SamplingParams(max_new_tokens=13, temperature=1.0, top_k=20, seed=5)
+    stop = Engine(model, num_slots=4).generate(prompts, sp).tokens[3][2]
+    sp = dataclasses.replace(sp, stop_token_ids=(stop,))
+    runs = {}
+    for name, groups, att in (("grouped", 4, "chunk"), ("one", 1, "chunk"), ("gather", 4, "gather")):
+        engine = Engine(model, num_slots=16 * ranks, page_size=4, chunk_steps=5, attention=att, ranks=ranks,
+                        length_groups=groups)
+        runs[name] = engine, engine.generate(prompts, sp)
+    (eg, g) = runs["grouped"]
+    assert any(g.finished) and not all(g.finished)
+    for name in ("one", "gather"):
+        e, o = runs[name]
+        assert g.tokens == o.tokens and g.finished == o.finished, name
+        np.testing.assert_allclose(np.concatenate(g.logprobs), np.concatenate(o.logprobs), atol=1e-5)
+        for lg, lo in zip(eg._spare, e._spare):
+            np.testing.assert_allclose(np.asarray(lg["kv"])[:, 1:], np.asarray(lo["kv"])[:, 1:], atol=1e-5)
+    assert 0 < eg.stats.peak_dense_bytes < runs["one"][0].stats.peak_dense_bytes
 
 
 def test_sampled_logprobs_equal_teacher_forced_pass(model):
