@@ -6,6 +6,10 @@ stop on the chat's end tokens. Contenders, alternated within each repeat (the ma
   engine  `marljax.engine.Engine.generate` (continuous batching over `--slots` slots, paged KV, shared
           prompt prefixes; the CPU's `chunk` attention: pages gathered once per decode chunk)
   engine-gather  the same engine with `attention="gather"` (pages gathered at every decode step)
+  engine-one-group  the same engine with `length_groups=1`: every decode row over one dense copy as wide as
+          the longest row (the chunk path before its length groups)
+  engine-optimistic  the same engine with `admission="optimistic"` (a request needs its first chunk's
+          pages, not its worst case; the pool grows to the tokens in flight)
   static  `marljax.static_sampler.generate_static` (the sampler before the engine), one call over the whole batch: prefill + `lax.while_loop` over a
           padded [B, P + max_new] cache until every row is done
   static-issue-start  the static sampler as it was when the engine's issue (#17) opened: the same with its
@@ -99,7 +103,9 @@ def run_hf(ctx, prompts, seed):
     return wall, useful
 
 
-CONTENDERS = {"engine": run_engine, "engine-gather": functools.partial(run_engine, name="engine-gather"),
+ENGINES = {"engine": {}, "engine-gather": {"attention": "gather"}, "engine-one-group": {"length_groups": 1},
+           "engine-optimistic": {"admission": "optimistic"}}  # Engine settings besides --slots
+CONTENDERS = {**{name: functools.partial(run_engine, name=name) for name in ENGINES},
               "static": run_static, "static-issue-start": functools.partial(run_static, draw="categorical"),
               "hf": run_hf}
 
@@ -124,8 +130,8 @@ def main():
     model = load_model("smollm2-135m-instruct", dtype=args.dtype)
     codec = ChatCodec(load_tokenizer("smollm2-135m-instruct"))
     ctx = {"model": model, "layers": layer_weights(model), "codec": codec, "hf": hf,
-           "engine": Engine(model, num_slots=args.slots),
-           "engine-gather": Engine(model, num_slots=args.slots, attention="gather")}
+           **{name: Engine(model, num_slots=args.slots, **kw) for name, kw in ENGINES.items()
+              if name in args.contenders or name == "engine"}}
     prompts = workload(codec, args.prompts, args.samples)
     load_start = os.getloadavg()
     contenders = {name: CONTENDERS[name] for name in args.contenders}

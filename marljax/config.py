@@ -30,6 +30,7 @@ import yaml
 
 from marljax.engine.engine import PREFILL_CHUNK_MIN
 from marljax.engine.paged_attention import PAGED_ATTENTIONS
+from marljax.engine.scheduler import ADMISSIONS
 from marljax.models.attention import ATTENTIONS
 from marljax.models.decoder import REMAT
 from marljax.models.lora import ALL_LINEAR, LoRAConfig
@@ -156,9 +157,14 @@ class SamplingSection:
     # engine.paged_attention.PAGED_ATTENTIONS: auto (TPU kernel, CPU chunk, else gather) | gather | chunk |
     # kernel | gpu_kernel (Pallas' Triton decode kernel: opt-in, not yet run on a GPU)
     paged_attention: str = "auto"
+    # engine.scheduler.ADMISSIONS: what a request must find free in the pool to start. worst_case: the pages of
+    # prompt + max_new_tokens; optimistic: of its first decode chunk (a pool sized by the tokens in flight; a
+    # max_cache_tokens pool that runs short preempts the latest requests, which restart: the same samples)
+    admission: str = "worst_case"
 
     def check(self) -> None:
         one_of("sampling.paged_attention", self.paged_attention, PAGED_ATTENTIONS)
+        one_of("sampling.admission", self.admission, ADMISSIONS)
         if self.prefill_tokens and self.prefill_tokens < PREFILL_CHUNK_MIN:
             raise ConfigError(f"sampling.prefill_tokens={self.prefill_tokens}: a prefill call computes at least "
                               f"{PREFILL_CHUNK_MIN} positions; give 0 (whole prompts) or ≥ {PREFILL_CHUNK_MIN}.")

@@ -41,6 +41,7 @@ class SamplerSettings:
     prefill_tokens: int = 0  # positions per prefill call (chunked prefill); 0: whole prompts
     mix_sets: bool = False  # LoRA sets decode in one batch, each row applying its own adapter
     paged_attention: str = "auto"  # the engine's path (marljax.engine.paged_attention.PAGED_ATTENTIONS)
+    admission: str = "worst_case"  # the engine's admission (marljax.engine.scheduler.ADMISSIONS)
 
     def params(self, temperature: float, seed: int = 0) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=temperature, top_p=self.top_p,
@@ -75,7 +76,8 @@ class PolicySampler:
             ranks = sharding.batch_ranks(self.mesh, self.rules)
             self.engines[key] = Engine(model, num_slots=ranks * st.num_slots, page_size=PAGE_SIZE, ranks=ranks,
                                        num_pages=st.max_cache_tokens // PAGE_SIZE + 1 if st.max_cache_tokens else None,
-                                       prefill_tokens=st.prefill_tokens or None, attention=st.paged_attention)
+                                       prefill_tokens=st.prefill_tokens or None, attention=st.paged_attention,
+                                       admission=st.admission)
         return self.engines[key]
 
     def sample(self, set_name: str, prompts: list[list[int]], seed: int, temperature: float) -> SampleOutput:

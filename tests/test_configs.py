@@ -151,6 +151,7 @@ ENUMERATED = [
     ("rl.role_weighting=equally", "['count', 'equal', 'inverse_norm']"),
     ("rl.attention=flash", "['auto', 'blockwise', 'cudnn', 'dense', 'splash']"),
     ("sampling.paged_attention=triton", "['auto', 'chunk', 'gather', 'gpu_kernel', 'kernel']"),
+    ("sampling.admission=lazy", "['optimistic', 'worst_case']"),
     ("mesh.rules=tp", "['auto', 'fsdp', 'fsdp_tp']"),
     ("mesh.lora=shard", "['replicated', 'sharded']"),
     ("lora.targets=[wq,w_in]", "['all-linear', 'w_down', 'w_gate', 'w_up', 'wk', 'wo', 'wq', 'wv']"),

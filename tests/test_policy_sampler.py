@@ -74,6 +74,19 @@ def test_paged_attention_setting_reaches_the_engine():
     assert got.tokens == want.tokens and gather.engine("a").stats.peak_dense_bytes == 0
 
 
+def test_admission_setting_reaches_the_engine():
+    """`sampling.admission=optimistic` is the engine's admission: a pool of 200 positions that its worst
+    case would fill with few requests, the same samples as worst-case admission on a free pool."""
+    model = load_model("tiny-qwen3", seed=0)
+    tight = dataclasses.replace(SETTINGS, max_new_tokens=6, max_cache_tokens=200, admission="optimistic")
+    opt = _sampler(model, {"a": _adapter(1)}, LORA.scale, tight)
+    free = _sampler(model, {"a": _adapter(1)}, LORA.scale, dataclasses.replace(SETTINGS, max_new_tokens=6))
+    got, want = opt.sample("a", PROMPTS * 2, 11, 0.7), free.sample("a", PROMPTS * 2, 11, 0.7)
+    assert opt.engine("a").admission == "optimistic" and free.engine("a").admission == "worst_case"
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(np.concatenate(got.logprobs), np.concatenate(want.logprobs), atol=1e-6)
+
+
 def test_stream_serves_sets_as_requests_come():
     """Requests of two sets submitted interleaved, some after others finished: each request's output
     depends on its set, prompt and seed only (the same in another order, alone, or with other traffic);
