@@ -89,7 +89,7 @@ class Engine:
     def __init__(self, model: Decoder, *, num_slots: int = 64, page_size: int = 16, num_pages: int | None = None,
                  chunk_steps: int = 16, share_prefixes: bool = True, attention: str = "auto",
                  prefill_tokens: int | None = None, ranks: int = 1, admission: str = "worst_case",
-                 length_groups: int = 4):
+                 length_groups: int = 1):
         if min(num_slots, page_size, chunk_steps, ranks, length_groups) < 1:
             raise ValueError(f"num_slots={num_slots}, page_size={page_size}, chunk_steps={chunk_steps}, "
                              f"ranks={ranks} and length_groups={length_groups} must be ≥ 1.")

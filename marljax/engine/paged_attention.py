@@ -17,10 +17,10 @@ attends the keys at positions ≤ its own. `impl` (`PAGED_ATTENTIONS`):
           pages are gathered once per decode chunk into dense caches (`dense_cache`, the layouts the
           decoder's cache attention reads in place), the chunk's steps decode over them as the static
           sampler does, and the positions they wrote go back into the pages at the end (`write_back`).
-          The rows are sorted by length into groups (`length_groups`), each with its own cache as wide
-          as its longest row (`grouped_cache_attention`): a step reads about the columns in flight,
-          not every row at the longest one's width (on this CPU a SmolLM2-135M step at 128 rows costs
-          344 ms over 128 columns and 880 ms over 432, docs/benchmarks.md).
+          `Engine(length_groups=G > 1)` sorts the rows by length into groups (`length_groups`), each
+          with its own cache as wide as its longest row (`grouped_cache_attention`). Off by default: on
+          the 32 × 8 GSM8K bench it ran 179 tok/s against 214 with one group (2026-12-05; each width
+          tuple is a compile, and new tuples compiled during the timed run), docs/benchmarks.md.
           On XLA CPU a gather per step costs more than the attention it feeds (SmolLM2-135M, 64 rows:
           6.8 ms per layer dense, 44 ms gathered; engine throughput 1.7× with chunk, docs/benchmarks.md);
           the price is a transient dense copy of the rows in flight (`EngineStats.peak_dense_bytes`)
