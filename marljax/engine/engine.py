@@ -370,7 +370,10 @@ def _decode_chunk(graphdef, state, layers, pages, table_sw, token_s, pos_s, n_ge
     S = token_s.shape[0]
     stop_ids = jnp.asarray(stops, jnp.int32)
     chunk = resolve_paged_attention(attention) == "chunk"
-    if chunk:
+    if chunk and len(widths) == 1:  # one group, rows in place: the decoder's dense cache attention
+        rows_g, tables_g, attend = [slice(None)], [table_sw[:, : widths[0]]], None
+        kv = [dense_cache(layer["kv"], tables_g[0]) for layer in pages]
+    elif chunk:
         n = S // len(widths)
         rows_g = [order_s[g * n: (g + 1) * n] for g in range(len(widths))]
         tables_g = [table_sw[rows, :w] for rows, w in zip(rows_g, widths)]
@@ -406,7 +409,7 @@ def _decode_chunk(graphdef, state, layers, pages, table_sw, token_s, pos_s, n_ge
         new = []
         for layer, caches in zip(pages, kv):
             pool = layer["kv"]
-            for rows, table, cache in zip(rows_g, tables_g, caches):
+            for rows, table, cache in zip(rows_g, tables_g, caches if attend is not None else [caches]):
                 pool = write_back(pool, cache, table, pos_s[rows], last_s[rows], steps)
             new.append({"kv": pool})
         pages = new

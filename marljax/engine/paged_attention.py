@@ -138,13 +138,15 @@ def length_groups(held_r, ranks: int, most: int) -> tuple[np.ndarray, tuple[int,
     rows sorted by the pages they hold (`held_r`) and cut into G equal parts, group g taking part g of
     every block, rank-major (so its rows split evenly over the rank pools in order, as `flat_pages`
     reads them). G: the largest power of two ≤ `most` that divides a block into parts of at least
-    `LENGTH_GROUP_ROWS` rows (else 1). Returns the order (group g's rows are order[g·n:(g+1)·n]) and each
+    `LENGTH_GROUP_ROWS` rows (else 1: the rows in place). Returns the order (group g's rows are order[g·n:(g+1)·n]) and each
     group's page-table width (`page_bucket` of its rows' most pages)."""
     held_r = np.asarray(held_r)
     per_rank = len(held_r) // ranks
     G = 1
     while 2 * G <= most and per_rank % (2 * G) == 0 and per_rank // (2 * G) >= LENGTH_GROUP_ROWS:
         G *= 2
+    if G == 1:  # rows in place: the decoder's own dense attention (`_decode_chunk`)
+        return np.arange(len(held_r), dtype=np.int32), (page_bucket(max(1, int(held_r.max(initial=0)))),)
     m = per_rank // G
     blocks = [r * per_rank + np.argsort(held_r[r * per_rank: (r + 1) * per_rank], kind="stable") for r in range(ranks)]
     order = np.concatenate([b[g * m: (g + 1) * m] for g in range(G) for b in blocks]).astype(np.int32)
