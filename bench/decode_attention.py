@@ -1,10 +1,13 @@
 """What one decode step's attention costs on this CPU, in the form the samplers use and in rewrites of it.
 
 Times a jitted loop over `--layers` layers of decode attention (one query per row, SmolLM2-135M's 9 query
-and 3 KV heads of 64, float32, keys [B, K, S, Dh] and values [B, K, Dh, S] as the dense cache holds them,
-each layer its own arrays) at `--rows` × `--columns`, the contenders alternated; median of `--samples`,
-compile excluded. Each rewrite is checked against the current form first (max abs difference printed).
-  current    `marljax.models.attention.attention(..., "cache")`: scores, mask, softmax, value product
+and 3 KV heads of 64, float32, each layer its own keys and values, in the layout each contender reads) at
+`--rows` × `--columns`, the contenders alternated; median of `--samples`, compile excluded. Each rewrite is
+checked against the current form first (max abs difference printed).
+  current    `marljax.models.attention.attention` over the dense cache's layout (`CACHE_LAYOUT`, "keys_ds":
+             keys [B, K, Dh, S], values [B, K, S, Dh]): scores, mask, softmax, value product
+  keys_sd    the same over the cache's layout before 2026-12-06 (keys [B, K, S, Dh], values [B, K, Dh, S]);
+             the rewrites below read this layout too
   late_norm  unnormalised exponentials into the value product, divided after (`bkgd,bksd->bkgs` scores)
   keys_rows  keys as the rows of the scores product (`bksd,bkgd->bksg`), softmax over that axis
   mul_sum    scores as a multiply and a sum over the head dimension
@@ -22,15 +25,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marljax.models.attention import attention
+from marljax.models.attention import CACHE_LAYOUT, attention
 
 H, K, DH = 9, 3, 64
 G = H // K
 FLOOR = float(jnp.finfo(jnp.float32).min)
 
 
-def current(q_bthd, k_bksd, v_bkds, mask_bs):
-    return attention(q_bthd, k_bksd, v_bkds, mask_bs[:, None], "cache")
+def current(q_bthd, k, v, mask_bs):
+    return attention(q_bthd, k, v, mask_bs[:, None], CACHE_LAYOUT)
+
+
+def keys_sd(q_bthd, k_bksd, v_bkds, mask_bs):
+    return attention(q_bthd, k_bksd, v_bkds, mask_bs[:, None], "keys_sd")
 
 
 def late_norm(q_bthd, k_bksd, v_bkds, mask_bs):
@@ -56,7 +63,10 @@ def mul_sum(q_bthd, k_bksd, v_bkds, mask_bs):
     return jnp.einsum("bkgs,bkds->bkgd", p, v_bkds).reshape(B, 1, H, DH)
 
 
-CONTENDERS = {"current": current, "late_norm": late_norm, "keys_rows": keys_rows, "mul_sum": mul_sum}
+CONTENDERS = {"current": current, "keys_sd": keys_sd, "late_norm": late_norm, "keys_rows": keys_rows,
+              "mul_sum": mul_sum}
+# keys and values [B, S, K, Dh] -> each contender's layout (`attention.ATTENTION_LAYOUTS`)
+LAYOUTS = {"keys_ds": ((0, 2, 3, 1), (0, 2, 1, 3)), "keys_sd": ((0, 2, 1, 3), (0, 2, 3, 1))}
 
 
 def layers_of(attend, layers: int):
@@ -81,18 +91,21 @@ def main():
     B, S = a.rows, a.columns
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.normal(size=(B, 1, H, DH)), jnp.float32)
-    ks = [jnp.asarray(rng.normal(size=(B, K, S, DH)), jnp.float32) for _ in range(a.layers)]
-    vs = [jnp.asarray(rng.normal(size=(B, K, DH, S)), jnp.float32) for _ in range(a.layers)]
+    kv = [rng.normal(size=(2, B, S, K, DH)).astype(np.float32) for _ in range(a.layers)]
     mask = jnp.arange(S)[None] <= jnp.asarray(rng.integers(S // 4, S, size=(B, 1)))
     runs = {name: layers_of(f, a.layers) for name, f in CONTENDERS.items()}
-    ref = np.asarray(runs["current"](q, ks, vs, mask))
+    arrays = {lay: ([jnp.asarray(k.transpose(kt)) for k, _ in kv], [jnp.asarray(v.transpose(vt)) for _, v in kv])
+              for lay, (kt, vt) in LAYOUTS.items()}
+    layout = {name: CACHE_LAYOUT if name == "current" else "keys_sd" for name in runs}
+    ref = np.asarray(runs["current"](q, *arrays[CACHE_LAYOUT], mask))
     for name, run in runs.items():
-        print(f"{name}: max |difference| from current {np.abs(np.asarray(run(q, ks, vs, mask)) - ref).max():.2e}")
+        diff = np.abs(np.asarray(run(q, *arrays[layout[name]], mask)) - ref).max()
+        print(f"{name}: max |difference| from current {diff:.2e}")
     times = {name: [] for name in runs}
     for _ in range(a.samples):
         for name, run in runs.items():
             t = time.perf_counter()
-            jax.block_until_ready(run(q, ks, vs, mask))
+            jax.block_until_ready(run(q, *arrays[layout[name]], mask))
             times[name].append(time.perf_counter() - t)
     gb = 2 * a.layers * B * K * S * DH * 4 / 1e9
     print(f"\n{B} rows × {S} columns × {a.layers} layers: {gb:.2f} GB of keys and values per step")

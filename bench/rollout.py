@@ -13,8 +13,9 @@ stop on the chat's end tokens. Contenders, alternated within each repeat (the ma
   static  `marljax.static_sampler.generate_static` (the sampler before the engine), one call over the whole batch: prefill + `lax.while_loop` over a
           padded [B, P + max_new] cache until every row is done
   static-issue-start  the static sampler as it was when the engine's issue (#17) opened: the same with its
-          draw of then, `jax.random.categorical` over the whole vocabulary (`draw.full_categorical`); its
-          later blocked draw, which the engine shares, is the only change since in float32
+          draw of then, `jax.random.categorical` over the whole vocabulary (`draw.full_categorical`), over
+          its KV cache layout of then ("keys_sd"); its later blocked draw and "keys_ds" cache, which the
+          engine shares, are the only changes since in float32
   hf      transformers `generate` (torch CPU float32 whatever `--dtype`: its GGUF load computes in float32,
           and in bfloat16 it did not finish 2 sequences in 10 min here) on the same batch, left-padded
 The engine and the static sampler read the per-layer weights the trainer makes once per sampling call
@@ -75,9 +76,9 @@ def run_engine(ctx, prompts, seed, name="engine"):
     return time.perf_counter() - t, sum(map(len, out.tokens))
 
 
-def run_static(ctx, prompts, seed, draw="blocked"):
+def run_static(ctx, prompts, seed, **how):
     t = time.perf_counter()
-    out = generate_static(ctx["model"], prompts, params(ctx["codec"], seed), layers=ctx["layers"], draw=draw)
+    out = generate_static(ctx["model"], prompts, params(ctx["codec"], seed), layers=ctx["layers"], **how)
     return time.perf_counter() - t, sum(map(len, out.tokens))
 
 
@@ -106,7 +107,7 @@ def run_hf(ctx, prompts, seed):
 ENGINES = {"engine": {}, "engine-gather": {"attention": "gather"}, "engine-one-group": {"length_groups": 1},
            "engine-optimistic": {"admission": "optimistic"}}  # Engine settings besides --slots
 CONTENDERS = {**{name: functools.partial(run_engine, name=name) for name in ENGINES},
-              "static": run_static, "static-issue-start": functools.partial(run_static, draw="categorical"),
+              "static": run_static, "static-issue-start": functools.partial(run_static, draw="categorical", cache_layout="keys_sd"),
               "hf": run_hf}
 
 
@@ -169,7 +170,7 @@ def main():
              f"{args.slots} slots, pages of {ctx['engine'].page_size} positions, chunks of "
              f"{ctx['engine'].chunk_steps} steps; static = `marljax.static_sampler.generate_static` (one call, the trainer's "
              "`layer_weights`); static-issue-start = the same with its full-vocabulary `jax.random.categorical` draw "
-             "of the issue's start; hf = transformers `generate`, torch CPU float32, left-padded batch.", "",
+             "and \"keys_sd\" KV cache of the issue's start; hf = transformers `generate`, torch CPU float32, left-padded batch.", "",
              "| contender | useful tok/s | wall s per call | first run s (compile included) |", "|---|---|---|---|"]
     for name in contenders:
         lines.append(f"| {name} | {statistics.mean(rates[name]):.1f} ± {se(rates[name]):.1f} | "

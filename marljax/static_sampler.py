@@ -19,15 +19,18 @@ import numpy as np
 from flax import nnx, struct
 
 from marljax.engine.draw import SampleOutput, SamplingParams, choose, logprob_of
+from marljax.models.attention import CACHE_LAYOUT
 from marljax.models.decoder import Decoder, init_cache
 from marljax.shapes import bucket, bucket_rows
 from marljax.sharding import replicate
 
 
 def generate_static(model: Decoder, prompts: list[list[int]], params: SamplingParams, *, lora=None,
-                    lora_scale: float = 1.0, layers: list[dict] | None = None, draw: str = "blocked") -> SampleOutput:
+                    lora_scale: float = 1.0, layers: list[dict] | None = None, draw: str = "blocked",
+                    cache_layout: str = CACHE_LAYOUT) -> SampleOutput:
     """Sample a continuation of every prompt in one static batch; see the module docstring. `draw`: the
-    token draw (`draw.DRAWS`; "categorical" is this sampler's draw at the rollout engine's start).
+    token draw (`draw.DRAWS`); `cache_layout`: the KV cache's (`attention.ATTENTION_LAYOUTS`). The
+    sampler at the rollout engine's start drew "categorical" over a "keys_sd" cache.
 
     The decode loop reads per-layer weights (`layer_weights`); without `layers` they are sliced out of
     the stacked parameters on every call (one copy of the weights). Callers that sample repeatedly
@@ -55,7 +58,7 @@ def generate_static(model: Decoder, prompts: list[list[int]], params: SamplingPa
         graphdef, state, layers, lora, jnp.asarray(tokens_bp), jnp.asarray(lengths_b), jnp.asarray(live_b),
         jax.random.key(params.seed), jnp.float32(lora_scale),
         max_new=params.max_new_tokens, temperature=float(params.temperature),
-        top_p=float(params.top_p), top_k=int(params.top_k), stops=stops, draw=draw)
+        top_p=float(params.top_p), top_k=int(params.top_k), stops=stops, draw=draw, cache_layout=cache_layout)
     out_tokens, out_logprobs = np.asarray(out_tokens), np.asarray(out_logprobs)
     n_out, finished = np.asarray(n_out), np.asarray(finished)
     n = len(prompts)
@@ -80,12 +83,13 @@ class DecodeState:
 
 
 @functools.partial(jax.jit, static_argnums=(0,),
-                   static_argnames=("max_new", "temperature", "top_p", "top_k", "stops", "draw"))
+                   static_argnames=("max_new", "temperature", "top_p", "top_k", "stops", "draw",
+                                    "cache_layout"))
 def _sample(graphdef, state, layers, lora, tokens_bp, lengths_b, live_b, key, lora_scale, *, max_new,
-            temperature, top_p, top_k, stops, draw):
+            temperature, top_p, top_k, stops, draw, cache_layout):
     model = nnx.merge(graphdef, state)
     B, P = tokens_bp.shape
-    cache = init_cache(model.config, B, P + max_new)
+    cache = init_cache(model.config, B, P + max_new, layout=cache_layout)
     stop_ids = jnp.asarray(stops, jnp.int32)
 
     def pick(h_be, step, key):
@@ -95,7 +99,8 @@ def _sample(graphdef, state, layers, lora, tokens_bp, lengths_b, live_b, key, lo
 
     if layers is None:
         layers = model.layer_list()  # sliced once here, not on every decode step
-    h_bpe, cache = model.hidden(tokens_bp, cache=cache, lora=lora, lora_scale=lora_scale, layers=layers)
+    h_bpe, cache = model.hidden(tokens_bp, cache=cache, lora=lora, lora_scale=lora_scale, layers=layers,
+                                cache_layout=cache_layout)
     last_be = jnp.take_along_axis(h_bpe, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
     tok_b, logp_b = pick(last_be, 0, key)
     hit_b = jnp.isin(tok_b, stop_ids)
@@ -110,7 +115,7 @@ def _sample(graphdef, state, layers, lora, tokens_bp, lengths_b, live_b, key, lo
     def body(s: DecodeState) -> DecodeState:
         pos_b1 = (lengths_b + s.step - 1)[:, None]
         h, cache = model.hidden(s.last[:, None], pos_b1, cache=s.cache, lora=lora,
-                                lora_scale=lora_scale, layers=layers)
+                                lora_scale=lora_scale, layers=layers, cache_layout=cache_layout)
         new_tok, new_logp = pick(h[:, 0], s.step, key)
         new_tok = jnp.where(s.done, 0, new_tok)
         new_hit = ~s.done & jnp.isin(new_tok, stop_ids)

@@ -61,7 +61,7 @@ def test_paged_attention_equals_dense_cache_attention():
     for ranks in (1, 2):
         q, k, v, pool, table = _paged_case(B, T, H, K, Dh, ps, W, ranks)
         got = gather_attention(q, pool, table, positions)
-        want = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1), mask, "cache")
+        want = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1), mask, "keys_sd")
         np.testing.assert_allclose(got, want, atol=1e-6)
         assert not np.allclose(got[:, 0], got[:, 1])  # positions matter
         assert table.max() == B // ranks * W  # pool-local page ids

@@ -55,8 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from marljax import sharding
-from marljax.models.attention import attention, target_backend
-from marljax.models.decoder import cache_mask, write_cache
+from marljax.models.attention import CACHE_LAYOUT, attention, target_backend
+from marljax.models.decoder import cache_columns, cache_mask, write_cache
 from marljax.models.precision import set_at
 from marljax.shapes import page_bucket
 
@@ -110,21 +110,22 @@ def write_pages(pool_rnpcd, new_btcd, page_table_bw, positions_bt):
 
 
 def dense_cache(pool_rnpcd, page_table_bw):
-    """Rows' pages as one dense cache ({"k": [B, K, W·page_size, Dh], "v": [B, K, Dh, W·page_size]}, the
-    layouts `marljax.models.attention.attention` reads in place): column = position, as in the pages."""
+    """Rows' pages as one dense cache in the decoder's `CACHE_LAYOUT` ({"k": [B, K, Dh, W·page_size], "v":
+    [B, K, W·page_size, Dh]}, the forms `marljax.models.attention.attention` reads in place): column =
+    position, as in the pages."""
     pages_npcd, table_bw = flat_pages(pool_rnpcd, page_table_bw)
     B, W = table_bw.shape
     page_size, C, Dh = pages_npcd.shape[1:]
     kv_bskd = pages_npcd[table_bw].reshape(B, W * page_size, C // 2, 2, Dh)
-    return {"k": kv_bskd[:, :, :, 0].transpose(0, 2, 1, 3), "v": kv_bskd[:, :, :, 1].transpose(0, 2, 3, 1)}
+    return {"k": kv_bskd[:, :, :, 0].transpose(0, 2, 3, 1), "v": kv_bskd[:, :, :, 1].transpose(0, 2, 1, 3)}
 
 
 def write_back(pool_rnpcd, cache, page_table_bw, first_b, last_b, steps: int):
     """`pool` with each row's cache columns first_b … last_b (at most `steps` of them) written back into
     its pages: what a chunk decoded over `dense_cache` wrote."""
     positions_bt = jnp.minimum(first_b[:, None] + jnp.arange(steps, dtype=jnp.int32)[None], last_b[:, None])
-    k_btkd = jnp.take_along_axis(cache["k"], positions_bt[:, None, :, None], axis=2).transpose(0, 2, 1, 3)
-    v_btkd = jnp.take_along_axis(cache["v"], positions_bt[:, None, None, :], axis=3).transpose(0, 3, 1, 2)
+    k_btkd = jnp.take_along_axis(cache["k"], positions_bt[:, None, None, :], axis=3).transpose(0, 3, 1, 2)
+    v_btkd = jnp.take_along_axis(cache["v"], positions_bt[:, None, :, None], axis=2).transpose(0, 2, 1, 3)
     return write_pages(pool_rnpcd, interleave(k_btkd, v_btkd), page_table_bw, positions_bt)
 
 
@@ -168,8 +169,7 @@ def grouped_cache_attention(order_s, groups: int):
         for rows, cache in zip(rows_g, caches):
             pos_bt = positions_bt[rows]
             cache = write_cache(cache, k_btkd[rows], v_btkd[rows], pos_bt)
-            outs.append(attention(q_bthd[rows], cache["k"], cache["v"], cache_mask(cache["k"].shape[2], pos_bt),
-                                  "cache"))
+            outs.append(attention(q_bthd[rows], cache["k"], cache["v"], cache_mask(cache_columns(cache), pos_bt)))
             new.append(cache)
         return jnp.concatenate(outs)[inverse_s], new
     return hook
@@ -185,10 +185,9 @@ def _gathered(q_bthd, pages_npcd, table_bw, positions_bt):
     page_size, C, Dh = pages_npcd.shape[1:]
     S = W * page_size
     kv_bscd = pages_npcd[table_bw].reshape(B, S, C, Dh)
-    k_bksd = kv_bscd[:, :, 0::2].transpose(0, 2, 1, 3)
-    v_bkds = kv_bscd[:, :, 1::2].transpose(0, 2, 3, 1)
-    mask_bts = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= positions_bt[:, :, None]
-    return attention(q_bthd, k_bksd, v_bkds, mask_bts, "cache")
+    k_bkds = kv_bscd[:, :, 0::2].transpose(0, 2, 3, 1)
+    v_bksd = kv_bscd[:, :, 1::2].transpose(0, 2, 1, 3)
+    return attention(q_bthd, k_bkds, v_bksd, cache_mask(S, positions_bt), CACHE_LAYOUT)
 
 
 def kernel_cache_attention(q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt, *, mode: str | None = None):

@@ -2,9 +2,9 @@
 materialise T×T scores.
 
 `causal_attention` is the one entry, chosen by `ATTENTIONS` name:
-  dense      `attention` in its "train" layout over a [B, T, T] mask (the CPU's fastest at short T;
-             its float32 scores and probabilities are B·H·T² each); `attention` in its "cache"
-             layout is also the decoder's cached (sampling) attention
+  dense      `attention` in its "keys_ds" layout over a [B, T, T] mask (the CPU's fastest at short T;
+             its float32 scores and probabilities are B·H·T² each); `attention` over the dense KV
+             cache (`CACHE_LAYOUT`) is also the decoder's cached (sampling) attention
   blockwise  query-chunk × key-chunk online softmax (flash-style) in pure JAX, with a custom VJP that
              recomputes the scores chunk by chunk: memory linear in T, forward and backward; chunk
              pairs with no visible key are skipped (the causal upper half)
@@ -70,7 +70,7 @@ def causal_attention(q_bthd, k_btkd, v_btkd, positions_bt, kv_mask_bt, impl: str
         if kv_mask_bt is not None:
             mask_btt = mask_btt & kv_mask_bt[:, None, :]
         return attention(q_bthd, k_btkd.transpose(0, 2, 3, 1), v_btkd.transpose(0, 2, 1, 3), mask_btt,
-                         "train")
+                         "keys_ds")
     if impl == "blockwise":
         kv_mask_bt = jnp.ones(positions_bt.shape, bool) if kv_mask_bt is None else kv_mask_bt
         return blockwise_attention(q_bthd, k_btkd, v_btkd, positions_bt, kv_mask_bt)
@@ -83,17 +83,21 @@ def causal_attention(q_bthd, k_btkd, v_btkd, positions_bt, kv_mask_bt, impl: str
 
 
 # ---- dense -------------------------------------------------------------------------------------
-# Per kv layout, the two batched matmuls of `attention`, in the forms XLA CPU runs fastest (measured):
-# "cache" (keys [B, K, S, D], values [B, K, D, S]; decode reads the KV cache in place, T = 1 query) and
-# "train" (keys [B, K, D, S], values [B, K, S, D]; the uncached pass over a whole sequence, where each
-# (b, k) becomes one [G·T, D] @ [D, S] matmul: 0.94 vs 1.0 of the LoRA step time with remat=full).
+# Per kv layout (named after the keys' last two axes), the two batched matmuls of `attention`:
+# "keys_ds" (keys [B, K, D, S], values [B, K, S, D]): each (b, k) is one [G·T, D] @ [D, S] and one
+#   [G·T, S] @ [S, D] matmul, the forms XLA CPU runs fastest, in the uncached pass (0.94 vs 1.0 of the LoRA
+#   step time with remat=full) and in decode (T = 1: 30 layers at 128 rows × 384 columns, 210 vs 340 ms per
+#   step; docs/benchmarks.md "Decode KV layout"), so also the dense KV cache's layout (`CACHE_LAYOUT`);
+# "keys_sd" (keys [B, K, S, D], values [B, K, D, S]): the KV cache's layout before 2026-12-06 (the static
+#   sampler of the rollout engine's issue start, a contender in bench/rollout.py).
 ATTENTION_LAYOUTS = {
-    "cache": ("btkgd,bksd->bkgts", "bkgts,bkds->btkgd"),
-    "train": ("bkgtd,bkds->bkgts", "bkgts,bksd->bkgtd"),
+    "keys_sd": ("btkgd,bksd->bkgts", "bkgts,bkds->btkgd"),
+    "keys_ds": ("bkgtd,bkds->bkgts", "bkgts,bksd->bkgtd"),
 }
+CACHE_LAYOUT = "keys_ds"
 
 
-def attention(q_bthd, k, v, mask_bts, layout: str = "cache"):
+def attention(q_bthd, k, v, mask_bts, layout: str = CACHE_LAYOUT):
     """Grouped-query softmax attention with a boolean mask; softmax in float32.
 
     `layout` names the key/value layouts (see `ATTENTION_LAYOUTS`); both give the same numbers.
@@ -102,7 +106,7 @@ def attention(q_bthd, k, v, mask_bts, layout: str = "cache"):
     K = k.shape[1]
     scores_spec, out_spec = ATTENTION_LAYOUTS[layout]
     q = q_bthd.reshape(B, T, K, H // K, D)
-    if layout == "train":
+    if layout == "keys_ds":
         q = q.transpose(0, 2, 3, 1, 4)
     scores = dot_f32(scores_spec, q, k)  # float32; its backward in the compute dtype
     scores = scores * (D ** -0.5)
@@ -110,7 +114,7 @@ def attention(q_bthd, k, v, mask_bts, layout: str = "cache"):
     scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
     out = dot_f32(out_spec, probs.astype(v.dtype), v).astype(v.dtype)  # rounded once (models/precision.py)
-    if layout == "train":
+    if layout == "keys_ds":
         out = out.transpose(0, 3, 1, 2, 4)
     return out.reshape(B, T, H, D)
 

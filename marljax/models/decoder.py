@@ -37,7 +37,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from marljax import sharding
-from marljax.models.attention import attention, causal_attention, resolve_attention
+from marljax.models.attention import ATTENTION_LAYOUTS, CACHE_LAYOUT, attention, causal_attention, resolve_attention
 from marljax.models.precision import check_dtype, dot_f32, set_at
 
 # Linear maps of one layer: name -> (input logical axes, output logical axes).
@@ -261,14 +261,14 @@ class Decoder(nnx.Module):
 
     def hidden(self, tokens_bt, positions_bt=None, *, cache=None, lora=None, lora_scale=1.0,
                kv_mask_bs=None, remat: str = "none", layers=None, attention_impl: str = "auto",
-               cache_attention=None, lora_groups=None):
+               cache_attention=None, lora_groups=None, cache_layout: str = CACHE_LAYOUT):
         """Last hidden states [B, T, E] (before the final norm) and the updated cache (or None).
 
         Without a cache, the stacked layers run under `lax.scan` and attention is causal over the T
         tokens (`kv_mask_bs` [B, T] may mark padded keys); `remat` (see `REMAT`) trades backward-pass
         recomputation for activation memory, and `attention_impl` (`attention.ATTENTIONS`) picks the
         attention kernel (`auto`: by backend and T; dense for short T on CPU). With a cache
-        (`init_cache`: one per layer), the T new tokens of row b are written at columns
+        (`init_cache`: one per layer, in `cache_layout`), the T new tokens of row b are written at columns
         positions_bt[b, 0] … + T − 1 and attend every column ≤ their own position (cache column =
         absolute position, so right-padded prompts need no extra mask). The cached path runs the
         layers as a Python loop over per-layer weights: a scan would copy each layer's weight and
@@ -293,7 +293,7 @@ class Decoder(nnx.Module):
         if cache is None:
             impl = resolve_attention(attention_impl, T, c.jnp_dtype)
         elif cache_attention is None:
-            mask_bts = cache_mask(cache[0]["k"].shape[2], positions_bt)
+            mask_bts = cache_mask(cache_columns(cache[0], cache_layout), positions_bt)
             if kv_mask_bs is not None:
                 mask_bts = mask_bts & kv_mask_bs[:, None, :]
         rot = rope_tables(positions_bt, c.head_dim, c.rope_theta)
@@ -315,8 +315,8 @@ class Decoder(nnx.Module):
             elif cache_attention is not None:
                 attn, kv = cache_attention(q, k, v, kv, positions_bt)
             else:
-                kv = write_cache(kv, k, v, positions_bt)
-                attn = attention(q, kv["k"], kv["v"], mask_bts, "cache")
+                kv = write_cache(kv, k, v, positions_bt, cache_layout)
+                attn = attention(q, kv["k"], kv["v"], mask_bts, cache_layout)
             attn = sharding.constrain(attn, _HEADS)
             x = x + lin(attn, "wo", 2)
             h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
@@ -400,12 +400,19 @@ _HEADS = ("batch", "length", "act_heads", "head_dim")
 _KV_HEADS = ("batch", "length", "act_kv_heads", "head_dim")
 
 
-def write_cache(kv, k_btkd, v_btkd, positions_bt):
-    """The dense cache `kv` (`init_cache`'s layouts) with row b's new keys and values at its columns
+def write_cache(kv, k_btkd, v_btkd, positions_bt, layout: str = CACHE_LAYOUT):
+    """The dense cache `kv` (`init_cache`'s `layout`) with row b's new keys and values at its columns
     positions_bt[b] (a scatter, in place under jit)."""
     rows_bt = jnp.broadcast_to(jnp.arange(positions_bt.shape[0])[:, None], positions_bt.shape)
-    return {"k": set_at(kv["k"], (rows_bt, slice(None), positions_bt), k_btkd),
-            "v": set_at(kv["v"], (rows_bt, slice(None), slice(None), positions_bt), v_btkd)}
+    at_sd = (rows_bt, slice(None), positions_bt)  # [B, K, S, D]
+    at_ds = (rows_bt, slice(None), slice(None), positions_bt)  # [B, K, D, S]
+    k_at, v_at = (at_ds, at_sd) if layout == "keys_ds" else (at_sd, at_ds)
+    return {"k": set_at(kv["k"], k_at, k_btkd), "v": set_at(kv["v"], v_at, v_btkd)}
+
+
+def cache_columns(kv, layout: str = CACHE_LAYOUT) -> int:
+    """S, the number of columns of one layer's dense cache `kv` in `layout`."""
+    return kv["v" if layout == "keys_ds" else "k"].shape[2]
 
 
 def cache_mask(columns: int, positions_bt):
@@ -413,12 +420,17 @@ def cache_mask(columns: int, positions_bt):
     return jnp.arange(columns, dtype=jnp.int32)[None, None, :] <= positions_bt[:, :, None]
 
 
-def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> list[dict[str, Any]]:
-    """Zeroed KV cache, per layer {"k": [batch, kv_heads, length, head_dim], "v": [batch, kv_heads,
-    head_dim, length]} (the layouts `attention` reads in place; sharded on a mesh)."""
+def init_cache(config: ModelConfig, batch: int, length: int, dtype=None,
+               layout: str = CACHE_LAYOUT) -> list[dict[str, Any]]:
+    """Zeroed KV cache, per layer {"k", "v"} in `layout` (`attention.ATTENTION_LAYOUTS`; the default
+    "keys_ds": k [batch, kv_heads, head_dim, length], v [batch, kv_heads, length, head_dim]), the forms
+    `attention` reads in place; sharded on a mesh."""
+    if layout not in ATTENTION_LAYOUTS:
+        raise ValueError(f"unknown KV cache layout {layout!r}; choose one of {sorted(ATTENTION_LAYOUTS)}")
     dt = dtype or config.jnp_dtype
     B, K, D, S = batch, config.num_kv_heads, config.head_dim, length
-    k_axes = ("batch", "act_kv_heads", "length", "head_dim")
-    v_axes = ("batch", "act_kv_heads", "head_dim", "length")
-    return [{"k": sharding.constrain(jnp.zeros((B, K, S, D), dt), k_axes),
-             "v": sharding.constrain(jnp.zeros((B, K, D, S), dt), v_axes)} for _ in range(config.num_layers)]
+    sd, ds = ((B, K, S, D), ("batch", "act_kv_heads", "length", "head_dim")), \
+        ((B, K, D, S), ("batch", "act_kv_heads", "head_dim", "length"))
+    (k_shape, k_axes), (v_shape, v_axes) = (ds, sd) if layout == "keys_ds" else (sd, ds)
+    return [{"k": sharding.constrain(jnp.zeros(k_shape, dt), k_axes),
+             "v": sharding.constrain(jnp.zeros(v_shape, dt), v_axes)} for _ in range(config.num_layers)]
