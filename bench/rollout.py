@@ -147,8 +147,10 @@ def main():
             print(f"repeat {r} {name}: {useful} tokens in {wall:.1f} s = {useful / wall:.1f} tok/s", flush=True)
     load_end = os.getloadavg()
 
-    def se(xs):
-        return statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan")
+    def rate(xs):
+        if len(xs) == 1:
+            return f"{xs[0]:.1f} (one repeat)"
+        return f"{statistics.mean(xs):.1f} ± {statistics.stdev(xs) / math.sqrt(len(xs)):.1f}"
 
     cfg, stats = model.config, ctx["engine"].stats
     n, P = len(prompts), max(map(len, prompts))
@@ -173,7 +175,7 @@ def main():
              "and \"keys_sd\" KV cache of the issue's start; hf = transformers `generate`, torch CPU float32, left-padded batch.", "",
              "| contender | useful tok/s | wall s per call | first run s (compile included) |", "|---|---|---|---|"]
     for name in contenders:
-        lines.append(f"| {name} | {statistics.mean(rates[name]):.1f} ± {se(rates[name]):.1f} | "
+        lines.append(f"| {name} | {rate(rates[name])} | "
                      f"{statistics.mean(walls[name]):.1f} | {first[name]:.1f} |")
     if "engine" in contenders:
         ratio = {o: statistics.mean(rates["engine"]) / statistics.mean(rates[o]) for o in contenders if o != "engine"}
