@@ -10,6 +10,8 @@ stop on the chat's end tokens. Contenders, alternated within each repeat (the ma
           the longest row (the chunk path before its length groups)
   engine-optimistic  the same engine with `admission="optimistic"` (a request needs its first chunk's
           pages, not its worst case; the pool grows to the tokens in flight)
+  engine-chunk32  the same engine with decode chunks of 32 steps (default 16): half the chunks' fixed
+          work (the dense copy of the rows' pages, the host scheduler), more idle row-steps
   static  `marljax.static_sampler.generate_static` (the sampler before the engine), one call over the whole batch: prefill + `lax.while_loop` over a
           padded [B, P + max_new] cache until every row is done
   static-issue-start  the static sampler as it was when the engine's issue (#17) opened: the same with its
@@ -105,7 +107,8 @@ def run_hf(ctx, prompts, seed):
 
 
 ENGINES = {"engine": {}, "engine-gather": {"attention": "gather"}, "engine-one-group": {"length_groups": 1},
-           "engine-optimistic": {"admission": "optimistic"}}  # Engine settings besides --slots
+           "engine-optimistic": {"admission": "optimistic"},
+           "engine-chunk32": {"chunk_steps": 32}}  # Engine settings besides --slots
 CONTENDERS = {**{name: functools.partial(run_engine, name=name) for name in ENGINES},
               "static": run_static, "static-issue-start": functools.partial(run_static, draw="categorical", cache_layout="keys_sd"),
               "hf": run_hf}
@@ -190,6 +193,13 @@ def main():
               f"during a decode chunk: up to {stats.peak_dense_bytes / 2**20:.1f} MiB more) vs the static sampler's cache {static_kv / 2**20:.1f} MiB "
               f"({bucket_rows(n)} × {bucket(P, 16) + MAX_NEW} positions). Engine decode work in the last run: "
               f"{stats.decode_steps} row-steps for {stats.generated_tokens} tokens.", ""]
+    for name in contenders:
+        if name in ENGINES and name != "engine":
+            st = ctx[name].stats
+            lines += [f"{name}: peak pages in use {st.peak_kv_bytes / 2**20:.1f} MiB, pool allocated "
+                      f"{st.pool_bytes / 2**20:.1f} MiB, dense copy up to {st.peak_dense_bytes / 2**20:.1f} MiB, "
+                      f"{st.decode_steps} row-steps for {st.generated_tokens} tokens, {st.preemptions} preemptions "
+                      "(last run).", ""]
     publish("\n".join(lines), args.write)
 
 
