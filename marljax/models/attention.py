@@ -86,7 +86,7 @@ def causal_attention(q_bthd, k_btkd, v_btkd, positions_bt, kv_mask_bt, impl: str
 # Per kv layout (named after the keys' last two axes), the two batched matmuls of `attention`:
 # "keys_ds" (keys [B, K, D, S], values [B, K, S, D]): each (b, k) is one [G·T, D] @ [D, S] and one
 #   [G·T, S] @ [S, D] matmul, the forms XLA CPU runs fastest, in the uncached pass (0.94 vs 1.0 of the LoRA
-#   step time with remat=full) and in decode (T = 1: 30 layers at 128 rows × 384 columns, 210 vs 340 ms per
+#   step time with remat=full) and in decode (T = 1: 30 layers at 128 rows × 432 columns, 171 vs 282 ms per
 #   step; docs/benchmarks.md "Decode KV layout"), so also the dense KV cache's layout (`CACHE_LAYOUT`);
 # "keys_sd" (keys [B, K, S, D], values [B, K, D, S]): the KV cache's layout before 2026-12-06 (the static
 #   sampler of the rollout engine's issue start, a contender in bench/rollout.py).
