@@ -110,7 +110,8 @@ ENGINES = {"engine": {}, "engine-gather": {"attention": "gather"}, "engine-one-g
            "engine-optimistic": {"admission": "optimistic"},
            "engine-chunk32": {"chunk_steps": 32}}  # Engine settings besides --slots
 CONTENDERS = {**{name: functools.partial(run_engine, name=name) for name in ENGINES},
-              "static": run_static, "static-issue-start": functools.partial(run_static, draw="categorical", cache_layout="keys_sd"),
+              "static": run_static,
+              "static-issue-start": functools.partial(run_static, draw="categorical", cache_layout="keys_sd"),
               "hf": run_hf}
 
 
@@ -175,7 +176,8 @@ def main():
              f"{args.slots} slots, pages of {ctx['engine'].page_size} positions, chunks of "
              f"{ctx['engine'].chunk_steps} steps; static = `marljax.static_sampler.generate_static` (one call, the trainer's "
              "`layer_weights`); static-issue-start = the same with its full-vocabulary `jax.random.categorical` draw "
-             "and \"keys_sd\" KV cache of the issue's start; hf = transformers `generate`, torch CPU float32, left-padded batch.", "",
+             "and \"keys_sd\" KV cache of the issue's start; hf = transformers `generate`, torch CPU float32, "
+             "left-padded batch.", "",
              "| contender | useful tok/s | wall s per call | first run s (compile included) |", "|---|---|---|---|"]
     for name in contenders:
         lines.append(f"| {name} | {rate(rates[name])} | "
