@@ -192,14 +192,16 @@ def main():
               f"(static: {bucket_rows(n)} × {bucket(P, 16)} = {bucket_rows(n) * bucket(P, 16)} with padding). "
               f"Peak KV memory: engine {stats.peak_kv_bytes / 2**20:.1f} MiB (peak pages in use; pool allocated "
               f"{stats.pool_bytes / 2**20:.1f} MiB; the chunk path's dense copy of the decode rows' pages, held "
-              f"during a decode chunk: up to {stats.peak_dense_bytes / 2**20:.1f} MiB more) vs the static sampler's cache {static_kv / 2**20:.1f} MiB "
+              f"from chunk to chunk: up to {stats.peak_dense_bytes / 2**20:.1f} MiB more, "
+              f"{stats.dense_row_gathers} of {stats.decode_rows} running rows gathered into it) vs the static sampler's cache {static_kv / 2**20:.1f} MiB "
               f"({bucket_rows(n)} × {bucket(P, 16) + MAX_NEW} positions). Engine decode work in the last run: "
               f"{stats.decode_steps} row-steps for {stats.generated_tokens} tokens.", ""]
     for name in contenders:
         if name in ENGINES and name != "engine":
             st = ctx[name].stats
             lines += [f"{name}: peak pages in use {st.peak_kv_bytes / 2**20:.1f} MiB, pool allocated "
-                      f"{st.pool_bytes / 2**20:.1f} MiB, dense copy up to {st.peak_dense_bytes / 2**20:.1f} MiB, "
+                      f"{st.pool_bytes / 2**20:.1f} MiB, dense copy up to {st.peak_dense_bytes / 2**20:.1f} MiB "
+                      f"({st.dense_row_gathers} of {st.decode_rows} running rows gathered), "
                       f"{st.decode_steps} row-steps for {st.generated_tokens} tokens, {st.preemptions} preemptions "
                       "(last run).", ""]
     publish("\n".join(lines), args.write)

@@ -531,7 +531,7 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
     t0 = time.perf_counter()
     with sharding.use_mesh(mesh, rules):
         decode_traced = holding(_decode_chunk, steps=steps, stops=(0,), attention="kernel", **sampling).trace(
-            held, state_abs, layer_abs, pool, arr(jnp.int32, ("batch", None), rows, width),
+            held, state_abs, layer_abs, pool, None, arr(jnp.int32, ("batch", None), rows, width),
             *(arr(jnp.int32, ("batch",), rows) for _ in range(3)), arr(jnp.bool_, ("batch",), rows),
             arr(jnp.uint32, ("batch", None), rows, 2), arr(jnp.int32, ()), lora, None)
         decode = _program(*_compile(decode_traced))

@@ -15,7 +15,7 @@ from flax import nnx
 from marljax.engine import Engine
 from marljax.engine.engine import prefill_chunk
 from marljax.engine.kv_pages import PagePool, page_bytes
-from marljax.engine.scheduler import block_groups
+from marljax.engine.scheduler import block_groups, stable_rows
 from marljax.engine.paged_attention import (gather_attention, gpu_kernel_cache_attention, interleave,
                                             kernel_cache_attention, length_groups, resolve_paged_attention,
                                             write_pages)
@@ -269,6 +269,13 @@ def test_block_groups_make_every_rank_set_group_contiguous():
     assert groups.tolist() == [0, 2, 2, 1, 0, 1]
 
 
+def test_stable_rows_keep_rows_in_their_rank_block():
+    """Items keep their previous row while it is in their rank's block (blocks of 4); new items, and items
+    whose row left their block (the blocks shrank), take the lowest rows no item keeps."""
+    assert stable_rows([0, 0, 0, 1, 1], [3, None, 1, 6, None], per_rank=4) == [3, 0, 1, 6, 4]
+    assert stable_rows([0, 1, 1], [5, 6, 2], per_rank=2) == [0, 3, 2]  # blocks of 2: rows 5 and 6 moved
+
+
 def test_paged_attention_path_by_backend():
     assert resolve_paged_attention("auto", "tpu") == "kernel"
     assert resolve_paged_attention("auto", "cpu") == "chunk"
@@ -303,7 +310,8 @@ def test_decode_paths_equal_gather_attention(model, att, ranks):
     the GPU paged-attention kernel (in Pallas' interpreter here), against a gather per step: the same
     sampled tokens and stops (T = 1, top-k, a stop token, 3 slots per rank recycled, chunks of 5 steps
     over pages of 4), logprobs within 1e-5, and the same pools afterwards (every page but the null page,
-    which takes the padding rows' writes) within 1e-5."""
+    which takes the padding rows' writes) within 1e-5. The chunk path keeps its dense copy from chunk to
+    chunk: it gathers fewer rows than it decodes."""
     sp = SamplingParams(max_new_tokens=17, temperature=1.0, top_k=20, seed=3)
     stop = Engine(model, num_slots=2 * ranks, ranks=ranks).generate(PROMPTS, sp).tokens[3][2]
     sp = dataclasses.replace(sp, stop_token_ids=(stop,))
@@ -318,6 +326,9 @@ def test_decode_paths_equal_gather_attention(model, att, ranks):
     for lg, lc in zip(eg._spare, ec._spare):
         np.testing.assert_allclose(np.asarray(lc["kv"])[:, 1:], np.asarray(lg["kv"])[:, 1:], atol=1e-5)
     assert eg.stats.peak_dense_bytes == 0 and (ec.stats.peak_dense_bytes > 0) == (att == "chunk")
+    assert eg.stats.dense_row_gathers == 0 and ec.stats.decode_rows == eg.stats.decode_rows
+    if att == "chunk":
+        assert 0 < ec.stats.dense_row_gathers < ec.stats.decode_rows, ec.stats
 
 
 def test_length_groups_order_rows_by_pages_rank_major():

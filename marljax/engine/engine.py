@@ -47,8 +47,8 @@ from marljax import sharding
 from marljax.engine.draw import SampleOutput, SamplingParams, sample_rows
 from marljax.engine.kv_pages import (NULL_PAGE, PagePool, copy_pages, grow_pages, init_pages, page_bytes, pages_for,
                                      pool_pages)
-from marljax.engine.paged_attention import (dense_cache, grouped_cache_attention, length_groups, paged_cache_attention,
-                                            resolve_paged_attention, write_back)
+from marljax.engine.paged_attention import (dense_cache, gather_dense, grouped_cache_attention, length_groups,
+                                            paged_cache_attention, refresh_dense, resolve_paged_attention, write_back)
 from marljax.engine.scheduler import ADMISSIONS, Scheduler, block_groups, rank_rows
 from marljax.models.decoder import Decoder
 from marljax.models.lora import stack_adapters
@@ -66,6 +66,7 @@ class EngineStats:
     prefill_calls: int = 0  # jitted prefill calls (one per admission round, or per chunk of one)
     decode_chunks: int = 0
     decode_steps: int = 0  # row-steps run (a chunk's rows: the running sequences rounded up)
+    decode_rows: int = 0  # the running sequences of each decode chunk, summed over chunks
     generated_tokens: int = 0
     # the sum over ranks of each rank's most pages in use at once (the tokens in flight): an upper bound
     # of the most in use at once over all ranks (the ranks peak at different times), exact with one rank
@@ -73,8 +74,11 @@ class EngineStats:
     peak_kv_bytes: int = 0  # peak_pages × bytes of a page across layers
     pool_bytes: int = 0  # the page pools of all ranks as allocated
     # the chunk attention path's dense copy of the decode rows' pages (rows × width pages across layers,
-    # held during one decode chunk beside the pool): its largest, 0 on the other paths
+    # held beside the pool from chunk to chunk while the rows stay): its largest, 0 on the other paths
     peak_dense_bytes: int = 0
+    # running rows the chunk path gathered from their pages into its dense copy (of `decode_rows`): every
+    # one of a chunk whose rows or width changed, else only those holding new sequences (`Stream._dense`)
+    dense_row_gathers: int = 0
     preemptions: int = 0  # sequences preempted and restarted (optimistic admission, a fixed pool running short)
 
 
@@ -215,7 +219,8 @@ class Stream:
         self.pools = [PagePool(engine.num_pages or spare) for _ in range(engine.ranks)]  # one per rank
         self.pages = engine._take_pool(self.num_pages)
         self.sched = Scheduler(self.pools, engine.num_slots, ps, params.max_new_tokens, engine.share_prefixes,
-                               num_groups, engine.admission, engine.chunk_steps)
+                               num_groups, engine.admission, engine.chunk_steps, stable=lora is None)
+        self.dense, self.dense_seqs = None, []  # the chunk path's dense caches and the sequence of each row
         self.keys_nk = np.zeros((0, 0), np.uint32)
         self.stops = tuple(sorted(set(params.stop_token_ids))) or (-1,)
         self.sampling = dict(temperature=float(params.temperature), top_p=float(params.top_p),
@@ -290,17 +295,23 @@ class Stream:
             b = sched.batch(width)
             rows = len(b["token"])
             lora = None if self.lora is None else {**self.lora, "lora_groups": b["groups"]}
-            order, widths = None, None
+            order, widths, dense, table = None, None, None, b["page_table"]
             if resolve_paged_attention(e.attention) == "chunk":
                 order, widths = length_groups(b["held"], e.ranks, e.length_groups)
-                dense = rows // len(widths) * sum(widths) * page_bytes(e.model.config, e.page_size)
-                stats.peak_dense_bytes = max(stats.peak_dense_bytes, dense)
-            self.pages, out = _decode_chunk(
-                e.graphdef, e.state, self.layers, self.pages, b["page_table"], b["token"], b["pos"], b["n_gen"],
+                if len(widths) == 1:
+                    dense, table = self._dense(b)
+                    widths = (table.shape[1],)
+                else:
+                    self.dense = None
+                held = rows // len(widths) * sum(widths) * page_bytes(e.model.config, e.page_size)
+                stats.peak_dense_bytes = max(stats.peak_dense_bytes, held)
+            self.pages, self.dense, out = _decode_chunk(
+                e.graphdef, e.state, self.layers, self.pages, dense, table, b["token"], b["pos"], b["n_gen"],
                 b["live"], self.keys_nk[b["request"]], jnp.int32(self.params.max_new_tokens), lora, order,
                 steps=e.chunk_steps, stops=self.stops, attention=e.attention, widths=widths, **self.sampling)
             out = jax.tree.map(np.asarray, out)
             stats.decode_chunks += 1
+            stats.decode_rows += len(sched.rows)
             stats.decode_steps += int(out["steps"]) * rows
             sched.advance(out["tok"], out["logp"], out["n_gen"], out["token"], out["pos"], out["hit"], out["done"])
         cfg = e.model.config
@@ -315,7 +326,38 @@ class Stream:
 
     def close(self) -> None:
         """Hand the pool back to the engine (for its next stream); the stream is done."""
-        self.engine._spare, self.pages = self.pages, None
+        self.engine._spare, self.pages, self.dense = self.pages, None, None
+
+    def _dense(self, b: dict) -> tuple[list[dict], np.ndarray]:
+        """The chunk path's dense caches for decode batch `b` (`scheduler.batch`, rows in place) and the
+        page table they stand for. The last chunk's caches are kept where the rows are as many and the
+        width is enough (the width never shrinks then: a narrower one would gather every row again), and
+        only the rows that hold a new sequence are gathered into them (`refresh_dense`; the scheduler's
+        stable rows keep the others in place); else every row is gathered anew (`gather_dense`)."""
+        table = b["page_table"]
+        rows, width = table.shape
+        seqs = [None] * rows
+        for r, s in self.sched.rows:
+            seqs[r] = self.sched.slots[s]
+        dense, self.dense = self.dense, None
+        kept = 0 if dense is None else dense[0]["k"].shape[-1] // self.engine.page_size
+        if dense is not None and dense[0]["k"].shape[0] == rows and kept >= width:
+            table = np.pad(table, ((0, 0), (0, kept - width)), constant_values=NULL_PAGE)
+            fresh = [r for r, q in enumerate(seqs) if q is not None and q is not self.dense_seqs[r]]
+            if fresh:
+                n = bucket(len(fresh))
+                rows_f = np.full(n, rows, np.int32)
+                rows_f[: len(fresh)] = fresh
+                table_f = np.full((n, kept), NULL_PAGE, np.int32)
+                table_f[: len(fresh)] = table[fresh]
+                dense = refresh_dense(dense, self.pages, rows_f, table_f)
+        else:
+            dense = None  # freed before its successor is gathered
+            fresh = [r for r, q in enumerate(seqs) if q is not None]
+            dense = gather_dense(self.pages, table)
+        self.stats.dense_row_gathers += len(fresh)
+        self.dense_seqs = seqs
+        return dense, table
 
     def _grow(self, pages_needed: int) -> None:
         """Grow every rank's pool to hold `pages_needed` besides the null page: to a `shapes.bucket_rows` size
@@ -357,22 +399,23 @@ def _first_tokens(graphdef, state, hidden_md, keys_mk, *, temperature, top_p, to
                        temperature, top_p, top_k)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=3,
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(3, 4),
                    static_argnames=("steps", "temperature", "top_p", "top_k", "stops", "attention", "widths"))
-def _decode_chunk(graphdef, state, layers, pages, table_sw, token_s, pos_s, n_gen_s, live_s, keys_sk, max_new, lora,
-                  order_s, *, steps, temperature, top_p, top_k, stops, attention="auto", widths=None):
+def _decode_chunk(graphdef, state, layers, pages, dense, table_sw, token_s, pos_s, n_gen_s, live_s, keys_sk, max_new,
+                  lora, order_s, *, steps, temperature, top_p, top_k, stops, attention="auto", widths=None):
     """Up to `steps` decode steps over every slot (fewer when all are done). A slot stops on a stop token
     or at max_new tokens; a done slot keeps rewriting its last position with the token it read there
     (inside its own pages), so it never writes past what the scheduler gave it. `lora`: None, or the
     stream's stacked adapters with the rows of each set ({"lora", "lora_scale", "lora_groups"}). The
-    chunk path's length groups (`paged_attention.length_groups`): rows `order_s`, page-table `widths`."""
+    chunk path: with one length group, `dense` (the rows' dense caches, `Stream._dense`; returned
+    updated, for the next chunk); else the groups (`paged_attention.length_groups`: rows `order_s`,
+    page-table `widths`) gathered here. Returns (pages, dense, results)."""
     model = nnx.merge(graphdef, state)
     S = token_s.shape[0]
     stop_ids = jnp.asarray(stops, jnp.int32)
     chunk = resolve_paged_attention(attention) == "chunk"
     if chunk and len(widths) == 1:  # one group, rows in place: the decoder's dense cache attention
-        rows_g, tables_g, attend = [slice(None)], [table_sw[:, : widths[0]]], None
-        kv = [dense_cache(layer["kv"], tables_g[0]) for layer in pages]
+        rows_g, tables_g, attend, kv = [slice(None)], [table_sw], None, dense
     elif chunk:
         n = S // len(widths)
         rows_g = [order_s[g * n: (g + 1) * n] for g in range(len(widths))]
@@ -404,6 +447,7 @@ def _decode_chunk(graphdef, state, layers, pages, table_sw, token_s, pos_s, n_ge
              "done": ~live_s, "token": token_s, "pos": pos_s}
     c = jax.lax.while_loop(cond, body, carry)
     kv = c.pop("pages")
+    dense = kv if chunk and attend is None else None
     if chunk:  # a running row's last write is one before its next position
         last_s = jnp.where(c["done"], c["pos"], c["pos"] - 1)
         new = []
@@ -416,4 +460,4 @@ def _decode_chunk(graphdef, state, layers, pages, table_sw, token_s, pos_s, n_ge
     else:
         pages = kv
     c["steps"] = c.pop("i")
-    return pages, c
+    return pages, dense, c

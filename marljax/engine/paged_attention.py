@@ -14,16 +14,18 @@ attends the keys at positions ≤ its own. `impl` (`PAGED_ATTENTIONS`):
           other backend (see `KERNEL_MODES`). It takes each row's T queries as its last T positions
           (the engine's prefill rows start at 0, its decode rows hold one query): `kernel_cache_attention`
   chunk   decode only (`marljax.engine.engine._decode_chunk`; prefill takes the gather path): the rows'
-          pages are gathered once per decode chunk into dense caches (`dense_cache`, the layouts the
-          decoder's cache attention reads in place), the chunk's steps decode over them as the static
-          sampler does, and the positions they wrote go back into the pages at the end (`write_back`).
+          pages are gathered into dense caches (`dense_cache`, the layouts the decoder's cache attention
+          reads in place), the chunk's steps decode over them as the static sampler does, and the
+          positions they wrote go back into the pages at the end (`write_back`). The caches are kept
+          for the next chunk: rows stay put (`scheduler.stable_rows`) and only the rows that hold a new
+          sequence are gathered again (`refresh_dense`), all of them when the rows or the width change.
           `Engine(length_groups=G > 1)` sorts the rows by length into groups (`length_groups`), each
           with its own cache as wide as its longest row (`grouped_cache_attention`). Off by default: on
           the 32 × 8 GSM8K bench it ran 179 tok/s against 214 with one group (2026-12-05; each width
           tuple is a compile, and new tuples compiled during the timed run), docs/benchmarks.md.
           On XLA CPU a gather per step costs more than the attention it feeds (SmolLM2-135M, 64 rows:
           6.8 ms per layer dense, 44 ms gathered; engine throughput 1.7× with chunk, docs/benchmarks.md);
-          the price is a transient dense copy of the rows in flight (`EngineStats.peak_dense_bytes`)
+          the price is a dense copy of the rows in flight beside the pool (`EngineStats.peak_dense_bytes`)
   gpu_kernel  decode rows (one query each; prefill takes the gather path): the body of Pallas' GPU
           paged-attention kernel (`jax.experimental.pallas.ops.gpu.paged_attention`, Triton; online
           softmax in float32) in our own `pallas_call`, whose block specs read the keys and values of KV
@@ -113,11 +115,36 @@ def dense_cache(pool_rnpcd, page_table_bw):
     """Rows' pages as one dense cache in the decoder's `CACHE_LAYOUT` ({"k": [B, K, Dh, W·page_size], "v":
     [B, K, W·page_size, Dh]}, the forms `marljax.models.attention.attention` reads in place): column =
     position, as in the pages."""
-    pages_npcd, table_bw = flat_pages(pool_rnpcd, page_table_bw)
+    return _dense(*flat_pages(pool_rnpcd, page_table_bw))
+
+
+def _dense(pages_npcd, table_bw):
     B, W = table_bw.shape
     page_size, C, Dh = pages_npcd.shape[1:]
     kv_bskd = pages_npcd[table_bw].reshape(B, W * page_size, C // 2, 2, Dh)
     return {"k": kv_bskd[:, :, :, 0].transpose(0, 2, 3, 1), "v": kv_bskd[:, :, :, 1].transpose(0, 2, 1, 3)}
+
+
+@jax.jit
+def gather_dense(pages, page_table_bw):
+    """`dense_cache` of every layer's pool: the chunk path's per-layer caches of a decode chunk's rows."""
+    return [dense_cache(layer["kv"], page_table_bw) for layer in pages]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def refresh_dense(dense, pages, rows_f, table_fw):
+    """The chunk path's dense caches of a decode chunk's B rows (one per layer, `dense_cache`) with rows
+    rows_f[i] gathered again from their pages table_fw[i] (pool-local ids of row rows_f[i]'s rank pool,
+    `flat_pages`; rows_f ≥ B are padding, dropped): a chunk whose other rows hold the sequences they
+    held in the chunk before reads what they wrote there. In place (`dense` is donated)."""
+    B = dense[0]["k"].shape[0]
+    R, N = pages[0]["kv"].shape[:2]
+    table_fw = table_fw + (jnp.minimum(rows_f, B - 1) * R // B * N)[:, None]
+    out = []
+    for old, layer in zip(dense, pages):
+        fresh = _dense(layer["kv"].reshape(R * N, *layer["kv"].shape[2:]), table_fw)
+        out.append({name: old[name].at[rows_f].set(fresh[name], mode="drop") for name in old})
+    return out
 
 
 def write_back(pool_rnpcd, cache, page_table_bw, first_b, last_b, steps: int):

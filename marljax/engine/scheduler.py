@@ -75,6 +75,7 @@ class Sequence:
     pos: int = 0  # the position that token is written at
     n_gen: int = 0
     done: bool = False
+    row: int | None = None  # its row in the last decode chunk (`batch`)
 
     @property
     def own_pages(self) -> list[int]:
@@ -107,6 +108,16 @@ def rank_rows(ranks: list[int], num_ranks: int, cap: int | None = None) -> tuple
     return rows, per_rank
 
 
+def stable_rows(ranks: list[int], previous: list[int | None], per_rank: int) -> list[int]:
+    """Rows in rank blocks of `per_rank` that keep each item where it was: its `previous` row where that
+    is still in its rank's block, else the lowest row of its block that no item keeps."""
+    rows = [p if p is not None and k * per_rank <= p < (k + 1) * per_rank else None
+            for k, p in zip(ranks, previous)]
+    taken = set(rows)
+    free = {k: (r for r in range(k * per_rank, (k + 1) * per_rank) if r not in taken) for k in set(ranks)}
+    return [r if r is not None else next(free[k]) for r, k in zip(rows, ranks)]
+
+
 def block_groups(rank_set: list[tuple[int, int]], num_ranks: int, per_rank: int, num_sets: int) -> np.ndarray:
     """Per-row adapter groups for rows in rank blocks (`rank_rows`), each block's rows sorted by set:
     int32 [R·G], the rows of (rank r, set g) at r·G + g (adapters stacked R times over, rank-major), so
@@ -123,11 +134,13 @@ def block_groups(rank_set: list[tuple[int, int]], num_ranks: int, per_rank: int,
 class Scheduler:
     """See the module docstring. Request ids are the prompts' indices in `submit` order. `pools`: one
     `PagePool` per rank, of equal size; `num_slots` a multiple of their number. `admission`: `ADMISSIONS`;
-    `lookahead`: the decode steps of a chunk (what optimistic admission reserves for)."""
+    `lookahead`: the decode steps of a chunk (what optimistic admission reserves for). `stable`: decode
+    rows stay put from chunk to chunk (`batch`); only without per-row adapters, whose rows go by set."""
 
     def __init__(self, pools: list[PagePool], num_slots: int, page_size: int, max_new: int, share_prefixes: bool,
-                 num_groups: int = 1, admission: str = "worst_case", lookahead: int = 1):
+                 num_groups: int = 1, admission: str = "worst_case", lookahead: int = 1, stable: bool = False):
         self.optimistic, self.lookahead = admission == "optimistic", lookahead  # `Engine` checks `admission`
+        self.stable = stable
         self.preemptions = 0  # sequences preempted (optimistic admission)
         self.pools, self.page_size, self.max_new = pools, page_size, max_new
         self.ranks, self.rank_slots = len(pools), num_slots // len(pools)
@@ -390,9 +403,14 @@ class Scheduler:
         null-padded), next input token, its position, tokens generated so far, request id (its RNG
         stream), liveness, pages held ("held"), and the rows of each rank's parameter sets ("groups" [R·num_groups], `block_groups`). Rows, not slots: a
         chunk computes only as many rows as are running (rounded up), so the tail of a call runs at a
-        small batch. The row → slot map is kept for `advance`."""
+        small batch. `stable`: a sequence keeps its row while the rows per rank stay (`stable_rows`), so a
+        decode path that keeps per-row state across chunks refreshes only the new rows. The row → slot map
+        is kept for `advance`."""
         slots = [s for s, _ in self.running]
-        at, per_rank = rank_rows([self.rank_of(s) for s in slots], self.ranks, self.rank_slots)
+        ranks = [self.rank_of(s) for s in slots]
+        at, per_rank = rank_rows(ranks, self.ranks, self.rank_slots)
+        if self.stable:
+            at = stable_rows(ranks, [self.slots[s].row for s in slots], per_rank)
         rows = self.ranks * per_rank
         out = {"page_table": np.full((rows, width), NULL_PAGE, np.int32), "token": np.zeros(rows, np.int32),
                "pos": np.zeros(rows, np.int32), "n_gen": np.zeros(rows, np.int32),
@@ -402,6 +420,7 @@ class Scheduler:
         self.rows = list(zip(at, slots))
         for r, s in self.rows:
             q = self.slots[s]
+            q.row = r
             out["page_table"][r, : len(q.pages)] = q.pages
             out["token"][r], out["pos"][r], out["n_gen"][r] = q.token, q.pos, q.n_gen
             out["request"][r], out["live"][r], out["held"][r] = q.request, True, len(q.pages)
