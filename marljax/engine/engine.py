@@ -314,6 +314,8 @@ class Stream:
             stats.decode_rows += len(sched.rows)
             stats.decode_steps += int(out["steps"]) * rows
             sched.advance(out["tok"], out["logp"], out["n_gen"], out["token"], out["pos"], out["hit"], out["done"])
+            if not sched.running:  # an idle stream holds no dense copy (streams of other sets may step now)
+                self.dense = None
         cfg = e.model.config
         stats.prefill_tokens = sched.prefill_tokens
         stats.cached_tokens = sched.cached_tokens
