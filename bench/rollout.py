@@ -75,7 +75,9 @@ def params(codec: ChatCodec, seed: int) -> SamplingParams:
 def run_engine(ctx, prompts, seed, name="engine"):
     t = time.perf_counter()
     out = ctx[name].generate(prompts, params(ctx["codec"], seed), layers=ctx["layers"])
-    return time.perf_counter() - t, sum(map(len, out.tokens))
+    wall = time.perf_counter() - t
+    ctx[name].release()  # its pool is not held while the other contenders run (the next call allocates anew)
+    return wall, sum(map(len, out.tokens))
 
 
 def run_static(ctx, prompts, seed, **how):
@@ -130,8 +132,10 @@ def main():
     import torch
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(os.cpu_count())
-    gguf = smollm2_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    hf = None
+    if "hf" in args.contenders:
+        gguf = smollm2_gguf_path()
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     model = load_model("smollm2-135m-instruct", dtype=args.dtype)
     codec = ChatCodec(load_tokenizer("smollm2-135m-instruct"))
     ctx = {"model": model, "layers": layer_weights(model), "codec": codec, "hf": hf,

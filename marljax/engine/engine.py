@@ -195,6 +195,11 @@ class Engine:
             hidden_nd = h_nd if hidden_nd is None else jnp.where(ends_here[:, None], h_nd, hidden_nd)
         return pages, hidden_nd[row], len(starts)
 
+    def release(self) -> None:
+        """Free the pool kept for the next stream (`_take_pool`): for a caller that runs other work between
+        its sampling calls and needs the memory more than the allocation it saves."""
+        self._spare = None
+
     def _take_pool(self, num_pages: int) -> list[dict]:
         spare, self._spare = self._spare, None
         if spare is not None and pool_pages(spare) == num_pages:

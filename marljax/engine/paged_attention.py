@@ -98,8 +98,12 @@ def flat_pages(pool_rnpcd, page_table_bw):
     B = page_table_bw.shape[0]
     if B % R:
         raise ValueError(f"{B} rows cannot be split evenly over {R} rank pools.")
-    rank_b = jnp.arange(B, dtype=jnp.int32) * R // B
-    return pool_rnpcd.reshape(R * N, *pool_rnpcd.shape[2:]), page_table_bw + (rank_b * N)[:, None]
+    return pool_rnpcd.reshape(R * N, *pool_rnpcd.shape[2:]), page_table_bw + rank_base(jnp.arange(B), B, R, N)[:, None]
+
+
+def rank_base(rows, B: int, R: int, N: int):
+    """Where rows' rank pools start in the flat page axis of R pools of N pages (row b of B is pool b·R // B's)."""
+    return jnp.asarray(rows, jnp.int32) * R // B * N
 
 
 def write_pages(pool_rnpcd, new_btcd, page_table_bw, positions_bt):
@@ -139,7 +143,7 @@ def refresh_dense(dense, pages, rows_f, table_fw):
     held in the chunk before reads what they wrote there. In place (`dense` is donated)."""
     B = dense[0]["k"].shape[0]
     R, N = pages[0]["kv"].shape[:2]
-    table_fw = table_fw + (jnp.minimum(rows_f, B - 1) * R // B * N)[:, None]
+    table_fw = table_fw + rank_base(jnp.minimum(rows_f, B - 1), B, R, N)[:, None]
     out = []
     for old, layer in zip(dense, pages):
         fresh = _dense(layer["kv"].reshape(R * N, *layer["kv"].shape[2:]), table_fw)
