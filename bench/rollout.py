@@ -10,8 +10,8 @@ stop on the chat's end tokens. Contenders, alternated within each repeat (the ma
           the longest row (the chunk path before its length groups)
   engine-optimistic  the same engine with `admission="optimistic"` (a request needs its first chunk's
           pages, not its worst case; the pool grows to the tokens in flight)
-  engine-chunk32  the same engine with decode chunks of 32 steps (default 16): half the chunks' fixed
-          work (the dense copy of the rows' pages, the host scheduler), more idle row-steps
+  engine-chunk16  the same engine with decode chunks of 16 steps (default 32, `engine.CHUNK_STEPS`): twice
+          the chunks' fixed work (the dense copy of the rows' pages, the host scheduler), fewer idle row-steps
   static  `marljax.static_sampler.generate_static` (the sampler before the engine), one call over the whole batch: prefill + `lax.while_loop` over a
           padded [B, P + max_new] cache until every row is done
   static-issue-start  the static sampler as it was when the engine's issue (#17) opened: the same with its
@@ -110,7 +110,7 @@ def run_hf(ctx, prompts, seed):
 
 ENGINES = {"engine": {}, "engine-gather": {"attention": "gather"}, "engine-one-group": {"length_groups": 1},
            "engine-optimistic": {"admission": "optimistic"},
-           "engine-chunk32": {"chunk_steps": 32}}  # Engine settings besides --slots
+           "engine-chunk16": {"chunk_steps": 16}}  # Engine settings besides --slots
 CONTENDERS = {**{name: functools.partial(run_engine, name=name) for name in ENGINES},
               "static": run_static,
               "static-issue-start": functools.partial(run_static, draw="categorical", cache_layout="keys_sd"),

@@ -451,7 +451,7 @@ class CompiledEngine:
 
 
 def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float = 0.0, layers: int | None = None,
-                   steps: int = 16, sets: int = 0) -> CompiledEngine:
+                   steps: int | None = None, sets: int = 0) -> CompiledEngine:
     """Compile `cell`'s rollout engine (`marljax.engine.engine`'s jitted `_prefill` and `_decode_chunk`)
     for `accelerator`'s topology, with abstract arguments: the cell's model (`cfg.model`, `cfg.dtype`;
     `layers` overrides its layer count, for tests) sharded as the sampler shards it (the cell's mesh and
@@ -461,8 +461,8 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
     shard, as `engine.Stream` places them), the
     page pool of `plan` (`marljax.matrix.engine_plan`: one pool per batch rank, its pages in the
     cell's dtype), the TPU kernel path of the paged attention. Decode: `plan.slots` rows per rank, each
-    with a page table as wide as the cell's longest sequence, `steps` steps per chunk. Prefill: one row
-    per rank, one chunk (`plan.prefill_chunk` positions) of the cell's longest prompt attending all of
+    with a page table as wide as the cell's longest sequence, `steps` steps per chunk (default: the
+    engine's, `CHUNK_STEPS`). Prefill: one row per rank, one chunk (`plan.prefill_chunk` positions) of the cell's longest prompt attending all of
     that prompt's pages. Per chip: each program's bytes (arguments + outputs + temp −
     aliased: the donated pool aliases its output), and one decode step's FLOPs and bytes for a roofline
     (XLA counts the chunk's while-loop body, one step, once; the kernel's reads are added as every page
@@ -479,7 +479,7 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
     from flax import nnx
 
     from marljax import sharding
-    from marljax.engine.engine import _decode_chunk, _prefill
+    from marljax.engine.engine import CHUNK_STEPS, _decode_chunk, _prefill
     from marljax.engine.kv_pages import pool_shape
     from marljax.models.presets import PRESETS
     from marljax.shapes import page_bucket
@@ -530,7 +530,8 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
 
     t0 = time.perf_counter()
     with sharding.use_mesh(mesh, rules):
-        decode_traced = holding(_decode_chunk, steps=steps, stops=(0,), attention="kernel", **sampling).trace(
+        decode_traced = holding(_decode_chunk, steps=steps or CHUNK_STEPS, stops=(0,), attention="kernel",
+                                **sampling).trace(
             held, state_abs, layer_abs, pool, None, arr(jnp.int32, ("batch", None), rows, width),
             *(arr(jnp.int32, ("batch",), rows) for _ in range(3)), arr(jnp.bool_, ("batch",), rows),
             arr(jnp.uint32, ("batch", None), rows, 2), arr(jnp.int32, ()), lora, None)
