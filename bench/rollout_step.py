@@ -8,10 +8,12 @@ repeat (the machine drifts):
           call per stage and parameter set, each decoding until its longest row ends
   after   `rollout` over the engine (`Run.rollout_sampler`: `PolicyStream`), each episode submitting its
           aggregator call as soon as its 3 voters are back
+  after-chunk16  the same with decode chunks of 16 steps (`sampling.chunk_steps`; default 32): a finished
+          voter returns sooner, so its episode's aggregator call starts sooner (optional contender)
 Both fold the set's LoRA into per-layer weights once per rollout. Each repeat uses its own rollout seed
 (both contenders the same). Compile time is excluded: each contender first runs one untimed rollout.
 
-    nice python bench/rollout_step.py [--repeats 3] [--write]
+    nice python bench/rollout_step.py [--repeats 3] [--contenders before after after-chunk16] [--write]
 """
 from __future__ import annotations
 
@@ -47,8 +49,12 @@ def static_sample_fn(run: Run, params: dict, temperature: float):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--contenders", nargs="+", choices=["before", "after", "after-chunk16"],
+                    default=["before", "after"])
     ap.add_argument("--write", action="store_true", help="replace the section in docs/benchmarks.md")
     args = ap.parse_args()
+    if not {"before", "after"} <= set(args.contenders):
+        ap.error("--contenders needs before and after (their ratio is the result)")
     cfg = load_config("configs/default.yaml", [])
     run = Run(cfg)
     params = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape), run.state.params)
@@ -56,8 +62,9 @@ def main():
     problems = run.batch_problems(1)
 
     def one(name, seed):
-        sampler = static_sample_fn(run, params, T) if name == "before" else run.policy.rollout_sampler(
-            run.cfg, params, T)
+        cfg = run.cfg if name != "after-chunk16" else dataclasses.replace(
+            run.cfg, sampling=dataclasses.replace(run.cfg.sampling, chunk_steps=16))
+        sampler = static_sample_fn(run, params, T) if name == "before" else run.policy.rollout_sampler(cfg, params, T)
         t = time.perf_counter()
         ro = rollout(run.workflow, problems, sampler, run.policy.codec, run.route, n_rollouts=run.cfg.rl.rollouts,
                      seed=seed, max_prompt_tokens=run.cfg.sampling.max_prompt_tokens)
@@ -65,11 +72,12 @@ def main():
         return wall, sum(len(c.response_ids) for c in ro.calls), np.mean([e.reward for e in ro.episodes])
 
     load_start = os.getloadavg()[0]
-    first = {name: one(name, 1000)[0] for name in ("before", "after")}
-    walls = {"before": [], "after": []}
-    tokens = {"before": [], "after": []}
+    names = args.contenders
+    first = {name: one(name, 1000)[0] for name in names}
+    walls = {name: [] for name in names}
+    tokens = {name: [] for name in names}
     for r in range(args.repeats):
-        for name in ("before", "after") if r % 2 == 0 else ("after", "before"):
+        for name in names if r % 2 == 0 else names[::-1]:
             wall, n, reward = one(name, r)
             walls[name].append(wall)
             tokens[name].append(n)
@@ -86,8 +94,10 @@ def main():
                        sum(x.cached_tokens for x in stats))
     ratio = [b / a for b, a in zip(walls["before"], walls["after"])]
     se = statistics.stdev(ratio) / math.sqrt(len(ratio)) if len(ratio) > 1 else float("nan")
+    c16 = [a / b for a, b in zip(walls["after"], walls.get("after-chunk16", []))]  # its rate over after's
+    se16 = statistics.stdev(c16) / math.sqrt(len(c16)) if len(c16) > 1 else float("nan")
     lines = ["## Voting rollout step of the default run (CPU)", "",
-             f"`nice python bench/rollout_step.py --repeats {args.repeats}` on {time.strftime('%Y-%m-%d %H:%M')}, "
+             f"`nice python bench/rollout_step.py --repeats {args.repeats} --contenders {' '.join(names)}` on {time.strftime('%Y-%m-%d %H:%M')}, "
              f"{machine()}, jax {jax.__version__}; load average {load_start:.1f} at the start, "
              f"{os.getloadavg()[0]:.1f} at the end (other jobs shared the machine). configs/default.yaml: SmolLM2-135M-Instruct, Voting (3 voters "
              f"+ aggregator), shared LoRA on the last 4 layers (B perturbed), {len(problems)} problems × "
@@ -98,14 +108,15 @@ def main():
              "each first: first-run seconds in the last column).", "",
              "| contender | wall s per rollout step (mean ± s.e.) | generated tokens (mean) | first run s |",
              "|---|---|---|---|"]
-    for name in ("before", "after"):
+    for name in names:
         w = walls[name]
         s = statistics.stdev(w) / math.sqrt(len(w)) if len(w) > 1 else float("nan")
         lines.append(f"| {name} | {statistics.mean(w):.2f} ± {s:.2f} | {statistics.mean(tokens[name]):.0f} | "
                      f"{first[name]:.1f} |")
     lines += ["", f"before / after, paired per repeat: **{statistics.mean(ratio):.2f}× ± {se:.2f}** "
               f"({args.repeats} repeats). The samples differ (the engine draws each call from its own seed), so "
-              "the generated token counts differ too.", "",
+              "the generated token counts differ too."
+              + (f" after / after-chunk16 (wall time), paired: {statistics.mean(c16):.2f}× ± {se16:.2f}." if c16 else ""), "",
               "Prefill work of one rollout on the engine (same problems and settings; Eval-Opt with the paper's 3 "
               "iterations for math, `worked_example`):", "",
               "| workflow | role calls | prompt tokens submitted | prefilled | from the prefix cache |", "|---|---|---|---|---|"]

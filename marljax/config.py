@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from marljax.engine.engine import PREFILL_CHUNK_MIN
+from marljax.engine.engine import CHUNK_STEPS, PREFILL_CHUNK_MIN
 from marljax.engine.paged_attention import PAGED_ATTENTIONS
 from marljax.engine.scheduler import ADMISSIONS
 from marljax.models.attention import ATTENTIONS
@@ -151,6 +151,9 @@ class SamplingSection:
     max_cache_tokens: int = 0  # KV positions each batch rank's page pool of the rollout engine holds (0: grows)
     num_slots: int = 64  # sequences the rollout engine decodes at once per batch rank
     prefill_tokens: int = 0  # positions one prefill call of the engine computes (chunked prefill); 0: a whole prompt
+    # decode steps per jitted chunk of the engine: fewer, a finished call returns sooner (an episode's next role
+    # call starts sooner); more, less fixed work per step (host scheduling, the CPU path's dense copy)
+    chunk_steps: int = CHUNK_STEPS
     # LoRA: decode every parameter set in one batch (per-row adapters, no merged copies). Off, each set in
     # flight holds its own stream: its own page pool (max_cache_tokens each) and merged copy of the layers
     mix_sets: bool = False
@@ -163,6 +166,9 @@ class SamplingSection:
     admission: str = "worst_case"
 
     def check(self) -> None:
+        if self.chunk_steps < 1:
+            raise ConfigError(f"sampling.chunk_steps={self.chunk_steps}: a decode chunk takes at least 1 step "
+                              f"(default {CHUNK_STEPS}).")
         one_of("sampling.paged_attention", self.paged_attention, PAGED_ATTENTIONS)
         one_of("sampling.admission", self.admission, ADMISSIONS)
         if self.prefill_tokens and self.prefill_tokens < PREFILL_CHUNK_MIN:

@@ -21,7 +21,7 @@ from flax import nnx
 
 from marljax import sharding
 from marljax.engine import Engine
-from marljax.engine.engine import Stream
+from marljax.engine.engine import CHUNK_STEPS, Stream
 from marljax.models.decoder import Decoder
 from marljax.sampling import SampleOutput, SamplingParams, layer_weights
 
@@ -39,6 +39,7 @@ class SamplerSettings:
     max_cache_tokens: int  # KV positions each batch rank's page pool holds; 0: grows as needed
     num_slots: int = 64  # sequences each batch rank decodes at once
     prefill_tokens: int = 0  # positions per prefill call (chunked prefill); 0: whole prompts
+    chunk_steps: int = CHUNK_STEPS  # decode steps per jitted chunk of the engine
     mix_sets: bool = False  # LoRA sets decode in one batch, each row applying its own adapter
     paged_attention: str = "auto"  # the engine's path (marljax.engine.paged_attention.PAGED_ATTENTIONS)
     admission: str = "worst_case"  # the engine's admission (marljax.engine.scheduler.ADMISSIONS)
@@ -77,7 +78,7 @@ class PolicySampler:
             self.engines[key] = Engine(model, num_slots=ranks * st.num_slots, page_size=PAGE_SIZE, ranks=ranks,
                                        num_pages=st.max_cache_tokens // PAGE_SIZE + 1 if st.max_cache_tokens else None,
                                        prefill_tokens=st.prefill_tokens or None, attention=st.paged_attention,
-                                       admission=st.admission)
+                                       admission=st.admission, chunk_steps=st.chunk_steps)
         return self.engines[key]
 
     def sample(self, set_name: str, prompts: list[list[int]], seed: int, temperature: float) -> SampleOutput:

@@ -99,7 +99,8 @@ class Policy:
                                    stop_token_ids=tuple(self.codec.stop_token_ids),
                                    max_cache_tokens=sp.max_cache_tokens, num_slots=sp.num_slots,
                                    mix_sets=sp.mix_sets, prefill_tokens=sp.prefill_tokens,
-                                   paged_attention=sp.paged_attention, admission=sp.admission)
+                                   paged_attention=sp.paged_attention, admission=sp.admission,
+                                   chunk_steps=sp.chunk_steps)
         return PolicySampler(self.model, params, self.lora_cfg.scale if self.lora_cfg else None, self.mesh,
                              self.rules, settings)
 

@@ -197,6 +197,7 @@ def test_enumerated_keys_cover_every_choice_of_the_config():
     (["workflow.n_votes=0"], "n_votes must be >= 1"),
     (["workflow=eval_opt", "workflow.max_iterations=0"], "max_iterations must be >= 1"),
     (["sampling.prefill_tokens=8"], r"sampling\.prefill_tokens=8: a prefill call computes at least 16"),
+    (["sampling.chunk_steps=0"], r"sampling\.chunk_steps=0: a decode chunk takes at least 1 step"),
 ])
 def test_cross_field_and_range_checks_run_at_load(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -142,3 +142,14 @@ def test_mixed_sets_stream_matches_per_set_streams():
     for i in range(len(reqs)):
         assert outs[0][i][0] == outs[1][i][0]
         np.testing.assert_allclose(outs[0][i][1], outs[1][i][1], atol=1e-4)
+
+
+def test_chunk_steps_reach_the_engine_and_keep_the_samples():
+    """`sampling.chunk_steps` is the engine's decode chunk: 2 steps take more chunks than the default for
+    the same samples (per-request streams)."""
+    model = load_model("tiny-qwen3", seed=0)
+    short = _sampler(model, {"a": _adapter(1)}, LORA.scale, dataclasses.replace(SETTINGS, chunk_steps=2))
+    default = _sampler(model, {"a": _adapter(1)}, LORA.scale)
+    assert short.sample("a", PROMPTS, 11, 0.7) == default.sample("a", PROMPTS, 11, 0.7)
+    assert short.engine("a").chunk_steps == 2 and default.engine("a").chunk_steps == SETTINGS.chunk_steps > 2
+    assert short.engine("a").stats.decode_chunks > default.engine("a").stats.decode_chunks
