@@ -56,8 +56,8 @@ from marljax.shapes import bucket, bucket_rows, page_bucket
 
 PREFILL_CHUNK_MIN = 16  # positions: the shortest prefill call (prompt lengths bucket up from here)
 # Decode steps per jitted chunk. 32, not 16: half the chunks' fixed work (host scheduling, the chunk path's
-# dense copy) for a few more idle row-steps; 1.035-1.06x the rate of 16 on the 32 x 8 GSM8K bench (three
-# repeats over two days, docs/benchmarks.md "Rollout engine (SmolLM2-135M, GSM8K 32 x 8").
+# dense copy) for a few more idle row-steps; 1.03x the rate of 16 on the 32 x 8 GSM8K bench (mean of three
+# repeats in two runs, 0.996-1.056; docs/benchmarks.md "Rollout engine (SmolLM2-135M, GSM8K 32 x 8").
 CHUNK_STEPS = 32
 
 
