@@ -97,7 +97,8 @@ def main():
     c16 = [a / b for a, b in zip(walls["after"], walls.get("after-chunk16", []))]  # its rate over after's
     se16 = statistics.stdev(c16) / math.sqrt(len(c16)) if len(c16) > 1 else float("nan")
     lines = ["## Voting rollout step of the default run (CPU)", "",
-             f"`nice python bench/rollout_step.py --repeats {args.repeats} --contenders {' '.join(names)}` on {time.strftime('%Y-%m-%d %H:%M')}, "
+             f"`nice python bench/rollout_step.py --repeats {args.repeats} --contenders {' '.join(names)}` on "
+             f"{time.strftime('%Y-%m-%d %H:%M')}, "
              f"{machine()}, jax {jax.__version__}; load average {load_start:.1f} at the start, "
              f"{os.getloadavg()[0]:.1f} at the end (other jobs shared the machine). configs/default.yaml: SmolLM2-135M-Instruct, Voting (3 voters "
              f"+ aggregator), shared LoRA on the last 4 layers (B perturbed), {len(problems)} problems × "
@@ -116,7 +117,8 @@ def main():
     lines += ["", f"before / after, paired per repeat: **{statistics.mean(ratio):.2f}× ± {se:.2f}** "
               f"({args.repeats} repeats). The samples differ (the engine draws each call from its own seed), so "
               "the generated token counts differ too."
-              + (f" after / after-chunk16 (wall time), paired: {statistics.mean(c16):.2f}× ± {se16:.2f}." if c16 else ""), "",
+              + (f" after / after-chunk16 (wall time), paired: {statistics.mean(c16):.2f}× ± {se16:.2f}."
+                 if c16 else ""), "",
               "Prefill work of one rollout on the engine (same problems and settings; Eval-Opt with the paper's 3 "
               "iterations for math, `worked_example`):", "",
               "| workflow | role calls | prompt tokens submitted | prefilled | from the prefix cache |", "|---|---|---|---|---|"]

@@ -462,8 +462,8 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
     page pool of `plan` (`marljax.matrix.engine_plan`: one pool per batch rank, its pages in the
     cell's dtype), the TPU kernel path of the paged attention. Decode: `plan.slots` rows per rank, each
     with a page table as wide as the cell's longest sequence, `steps` steps per chunk (default: the
-    engine's, `CHUNK_STEPS`). Prefill: one row per rank, one chunk (`plan.prefill_chunk` positions) of the cell's longest prompt attending all of
-    that prompt's pages. Per chip: each program's bytes (arguments + outputs + temp −
+    engine's, `CHUNK_STEPS`). Prefill: one row per rank, one chunk (`plan.prefill_chunk` positions) of
+    the cell's longest prompt attending all of that prompt's pages. Per chip: each program's bytes (arguments + outputs + temp −
     aliased: the donated pool aliases its output), and one decode step's FLOPs and bytes for a roofline
     (XLA counts the chunk's while-loop body, one step, once; the kernel's reads are added as every page
     of the pool read once per step, an upper bound). What the run holds beside the engine's arguments
@@ -530,8 +530,8 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
 
     t0 = time.perf_counter()
     with sharding.use_mesh(mesh, rules):
-        decode_traced = holding(_decode_chunk, steps=steps or CHUNK_STEPS, stops=(0,), attention="kernel",
-                                **sampling).trace(
+        decode_traced = holding(_decode_chunk, steps=CHUNK_STEPS if steps is None else steps, stops=(0,),
+                                attention="kernel", **sampling).trace(
             held, state_abs, layer_abs, pool, None, arr(jnp.int32, ("batch", None), rows, width),
             *(arr(jnp.int32, ("batch",), rows) for _ in range(3)), arr(jnp.bool_, ("batch",), rows),
             arr(jnp.uint32, ("batch", None), rows, 2), arr(jnp.int32, ()), lora, None)
