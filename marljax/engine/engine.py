@@ -47,10 +47,11 @@ from marljax import sharding
 from marljax.engine.draw import SampleOutput, SamplingParams, sample_rows
 from marljax.engine.kv_pages import (NULL_PAGE, PagePool, copy_pages, grow_pages, init_pages, page_bytes, pages_for,
                                      pool_pages)
-from marljax.engine.paged_attention import (dense_cache, gather_dense, grouped_cache_attention, length_groups,
-                                            paged_cache_attention, refresh_dense, resolve_paged_attention, write_back)
+from marljax.engine.paged_attention import (chunk_cache_attention, chunk_writes, dense_cache, gather_dense,
+                                            interleave, length_groups, paged_cache_attention, refresh_dense,
+                                            resolve_paged_attention, write_pages)
 from marljax.engine.scheduler import ADMISSIONS, Scheduler, block_groups, rank_rows
-from marljax.models.decoder import Decoder
+from marljax.models.decoder import Decoder, init_cache, write_cache
 from marljax.models.lora import stack_adapters
 from marljax.shapes import bucket, bucket_rows, page_bucket
 
@@ -425,49 +426,59 @@ def _decode_chunk(graphdef, state, layers, pages, dense, table_sw, token_s, pos_
     S = token_s.shape[0]
     stop_ids = jnp.asarray(stops, jnp.int32)
     chunk = resolve_paged_attention(attention) == "chunk"
-    if chunk and len(widths) == 1:  # one group, rows in place: the decoder's dense cache attention
-        rows_g, tables_g, attend, kv = [slice(None)], [table_sw], None, dense
+    if chunk and len(widths) == 1:  # one group, rows in place: `dense`, kept from chunk to chunk
+        rows_g, tables_g, caches = [slice(None)], [table_sw], [[layer] for layer in dense]
     elif chunk:
         n = S // len(widths)
         rows_g = [order_s[g * n: (g + 1) * n] for g in range(len(widths))]
         tables_g = [table_sw[rows, :w] for rows, w in zip(rows_g, widths)]
-        attend = grouped_cache_attention(order_s, len(widths))
-        kv = [[dense_cache(layer["kv"], table) for table in tables_g] for layer in pages]
+        caches = [[dense_cache(layer["kv"], table) for table in tables_g] for layer in pages]
+    if chunk:  # each group's buffer of the chunk's new keys and values, per layer
+        sizes = [S] if len(widths) == 1 else [n] * len(widths)
+        kv = [list(g) for g in zip(*[init_cache(model.config, m, steps, pages[0]["kv"].dtype) for m in sizes])]
     else:
-        attend, kv = paged_cache_attention(table_sw, attention), pages
+        kv = pages
 
     def cond(carry):
         return (carry["i"] < steps) & ~jnp.all(carry["done"])
 
     def body(c):
-        h, pages = model.hidden(c["token"][:, None], c["pos"][:, None], cache=c["pages"], layers=layers,
-                                cache_attention=attend, **(lora or {}))
+        if chunk:
+            attend = chunk_cache_attention(rows_g, pos_s, c["i"])
+            cache = [{"dense": d, "new": new} for d, new in zip(caches, c["kv"])]
+        else:
+            attend, cache = paged_cache_attention(table_sw, attention), c["kv"]
+        h, kv = model.hidden(c["token"][:, None], c["pos"][:, None], cache=cache, layers=layers,
+                             cache_attention=attend, **(lora or {}))
         tok, logp = sample_rows(model.logits(h[:, 0]), keys_sk, c["n_gen"], temperature, top_p, top_k)
         active = ~c["done"]
         hit = active & jnp.isin(tok, stop_ids)
         n_gen = c["n_gen"] + active
         done = c["done"] | hit | (n_gen >= max_new)
-        return {"i": c["i"] + 1, "pages": pages,
+        return {"i": c["i"] + 1, "kv": [layer["new"] for layer in kv] if chunk else kv,
                 "tok": c["tok"].at[:, c["i"]].set(jnp.where(active, tok, 0)),
                 "logp": c["logp"].at[:, c["i"]].set(jnp.where(active, logp, 0.0)),
                 "n_gen": n_gen, "hit": c["hit"] | hit, "done": done,
                 "token": jnp.where(done, c["token"], tok), "pos": c["pos"] + ~done}
 
-    carry = {"i": jnp.int32(0), "pages": kv, "tok": jnp.zeros((S, steps), jnp.int32),
+    carry = {"i": jnp.int32(0), "kv": kv, "tok": jnp.zeros((S, steps), jnp.int32),
              "logp": jnp.zeros((S, steps), jnp.float32), "n_gen": n_gen_s, "hit": jnp.zeros(S, bool),
              "done": ~live_s, "token": token_s, "pos": pos_s}
     c = jax.lax.while_loop(cond, body, carry)
-    kv = c.pop("pages")
-    dense = kv if chunk and attend is None else None
-    if chunk:  # a running row's last write is one before its next position
-        last_s = jnp.where(c["done"], c["pos"], c["pos"] - 1)
-        new = []
-        for layer, caches in zip(pages, kv):
+    kv = c.pop("kv")
+    dense = None
+    if chunk:  # the buffers' writes into the pages (and into `dense`, for the next chunk)
+        last_s = jnp.where(c["done"], c["pos"], c["pos"] - 1)  # a running row's last write: one before its next
+        new_pages, new_dense = [], []
+        for layer, caches_l, kv_l in zip(pages, caches, kv):
             pool = layer["kv"]
-            for rows, table, cache in zip(rows_g, tables_g, caches if attend is not None else [caches]):
-                pool = write_back(pool, cache, table, pos_s[rows], last_s[rows], steps)
-            new.append({"kv": pool})
-        pages = new
+            for rows, table, cache, new in zip(rows_g, tables_g, caches_l, kv_l):
+                k_btkd, v_btkd, at_bt = chunk_writes(new, pos_s[rows], last_s[rows], steps)
+                pool = write_pages(pool, interleave(k_btkd, v_btkd), table, at_bt)
+                if len(widths) == 1:
+                    new_dense.append(write_cache(cache, k_btkd, v_btkd, at_bt))
+            new_pages.append({"kv": pool})
+        pages, dense = new_pages, new_dense or None
     else:
         pages = kv
     c["steps"] = c.pop("i")

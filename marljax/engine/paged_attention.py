@@ -57,8 +57,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from marljax import sharding
-from marljax.models.attention import CACHE_LAYOUT, attention, target_backend
-from marljax.models.decoder import cache_columns, cache_mask, write_cache
+from marljax.models.attention import CACHE_LAYOUT, attention, segmented_attention, target_backend
+from marljax.models.decoder import cache_columns, cache_mask
 from marljax.models.precision import set_at
 from marljax.shapes import page_bucket
 
@@ -151,13 +151,48 @@ def refresh_dense(dense, pages, rows_f, table_fw):
     return out
 
 
-def write_back(pool_rnpcd, cache, page_table_bw, first_b, last_b, steps: int):
-    """`pool` with each row's cache columns first_b … last_b (at most `steps` of them) written back into
-    its pages: what a chunk decoded over `dense_cache` wrote."""
-    positions_bt = jnp.minimum(first_b[:, None] + jnp.arange(steps, dtype=jnp.int32)[None], last_b[:, None])
-    k_btkd = jnp.take_along_axis(cache["k"], positions_bt[:, None, None, :], axis=3).transpose(0, 3, 1, 2)
-    v_btkd = jnp.take_along_axis(cache["v"], positions_bt[:, None, :, None], axis=2).transpose(0, 2, 1, 3)
-    return write_pages(pool_rnpcd, interleave(k_btkd, v_btkd), page_table_bw, positions_bt)
+def chunk_writes(new, first_b, last_b, steps: int):
+    """What a decode chunk wrote, from its buffer `new` (`chunk_cache_attention`; column j = the keys and
+    values a row wrote at step j): each row's positions first_b … last_b (at most `steps`; the last one
+    repeated past them, where a done row kept rewriting it) and their keys and values ([B, steps, K, Dh]).
+    A done row's later columns are dropped: they rewrote its last position over a context holding it
+    twice, the first write is the one computed as it ran."""
+    cols_bt = jnp.minimum(jnp.arange(steps, dtype=jnp.int32)[None], (last_b - first_b)[:, None])
+    k_btkd = jnp.take_along_axis(new["k"], cols_bt[:, None, None, :], axis=3).transpose(0, 3, 1, 2)
+    v_btkd = jnp.take_along_axis(new["v"], cols_bt[:, None, :, None], axis=2).transpose(0, 2, 1, 3)
+    return k_btkd, v_btkd, first_b[:, None] + cols_bt
+
+
+def chunk_cache_attention(rows_g, first_s, step):
+    """The decoder's `cache_attention` hook for step `step` of a decode chunk over each layer's
+    {"dense": the groups' dense caches, "new": the groups' buffers}: group g (rows rows_g[g], in order
+    when they are a permutation, `length_groups`) writes its rows' new keys and values at column `step`
+    of its buffer ({"k": [n, K, Dh, steps], "v": [n, K, steps, Dh]}, `init_cache`'s layout) and attends
+    its dense cache's columns before each row's first position of the chunk (`first_s`) and the buffer's
+    columns ≤ step, as two segments (`segmented_attention`). The dense caches stay read-only during the
+    chunk: a step writes B × K × Dh numbers in place, not a scatter into the whole cache, which XLA CPU
+    ran as a copy of it in float32 and a conversion of it to float32 and back in bfloat16 (~285 of
+    ~370 ms per bfloat16 step at 128 rows × 432 columns × 30 layers; docs/benchmarks.md)."""
+    inverse_s = None if isinstance(rows_g[0], slice) else jnp.argsort(jnp.concatenate(rows_g))
+
+    def hook(q_bthd, k_btkd, v_btkd, kv, positions_bt):
+        outs, written = [], []
+        for rows, cache, new in zip(rows_g, kv["dense"], kv["new"]):
+            dt = new["k"].dtype
+            new = {"k": jax.lax.dynamic_update_slice(new["k"], k_btkd[rows].transpose(0, 2, 3, 1).astype(dt),
+                                                     (0, 0, 0, step)),
+                   "v": jax.lax.dynamic_update_slice(new["v"], v_btkd[rows].transpose(0, 2, 1, 3).astype(dt),
+                                                     (0, 0, step, 0))}
+            first_b = first_s[rows]
+            n, steps = first_b.shape[0], new["v"].shape[2]
+            before = jnp.arange(cache_columns(cache), dtype=jnp.int32)[None, None, :] < first_b[:, None, None]
+            upto = jnp.broadcast_to(jnp.arange(steps, dtype=jnp.int32)[None, None, :] <= step, (n, 1, steps))
+            outs.append(segmented_attention(q_bthd[rows], [(cache["k"], cache["v"], before),
+                                                           (new["k"], new["v"], upto)]))
+            written.append(new)
+        out = outs[0] if inverse_s is None else jnp.concatenate(outs)[inverse_s]
+        return out, {"dense": kv["dense"], "new": written}
+    return hook
 
 
 # The chunk path's length groups: at most `Engine(length_groups=…)` of them, each at least this many rows
@@ -185,25 +220,6 @@ def length_groups(held_r, ranks: int, most: int) -> tuple[np.ndarray, tuple[int,
     n = ranks * m
     widths = tuple(page_bucket(max(1, int(held_r[order[g * n: (g + 1) * n]].max()))) for g in range(G))
     return order, widths
-
-
-def grouped_cache_attention(order_s, groups: int):
-    """The decoder's `cache_attention` hook over `groups` dense caches ({"k", "v"} each, `dense_cache`),
-    cache g holding rows order_s[g·n:(g+1)·n] (`length_groups`): each group writes its rows' new keys
-    and values and attends its own columns; the outputs come back in row order."""
-    n = order_s.shape[0] // groups
-    rows_g = [order_s[g * n: (g + 1) * n] for g in range(groups)]
-    inverse_s = jnp.argsort(order_s)
-
-    def hook(q_bthd, k_btkd, v_btkd, caches, positions_bt):
-        outs, new = [], []
-        for rows, cache in zip(rows_g, caches):
-            pos_bt = positions_bt[rows]
-            cache = write_cache(cache, k_btkd[rows], v_btkd[rows], pos_bt)
-            outs.append(attention(q_bthd[rows], cache["k"], cache["v"], cache_mask(cache_columns(cache), pos_bt)))
-            new.append(cache)
-        return jnp.concatenate(outs)[inverse_s], new
-    return hook
 
 
 def gather_attention(q_bthd, pool_rnpcd, page_table_bw, positions_bt):

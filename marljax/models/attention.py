@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from marljax.models.precision import dot_f32
 
@@ -102,18 +103,33 @@ def attention(q_bthd, k, v, mask_bts, layout: str = CACHE_LAYOUT):
 
     `layout` names the key/value layouts (see `ATTENTION_LAYOUTS`); both give the same numbers.
     """
+    return segmented_attention(q_bthd, [(k, v, mask_bts)], layout)
+
+
+def segmented_attention(q_bthd, segments, layout: str = CACHE_LAYOUT):
+    """`attention` over key/value segments [(k, v, mask_bts), …] (each in `layout`, with its own mask and
+    length) as if concatenated along their positions, without concatenating them: one softmax over all
+    the segments' scores, the value products summed. The rollout engine's decode chunk attends a
+    read-only dense cache and the chunk's own new keys as two segments, so a step writes a small buffer,
+    not the cache (`marljax.engine.paged_attention.chunk_cache_attention`)."""
     B, T, H, D = q_bthd.shape
-    K = k.shape[1]
+    K = segments[0][0].shape[1]
     scores_spec, out_spec = ATTENTION_LAYOUTS[layout]
     q = q_bthd.reshape(B, T, K, H // K, D)
     if layout == "keys_ds":
         q = q.transpose(0, 2, 3, 1, 4)
-    scores = dot_f32(scores_spec, q, k)  # float32; its backward in the compute dtype
-    scores = scores * (D ** -0.5)
-    # A finite floor (not -inf) keeps fully masked padding rows NaN-free in value and gradient.
-    scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = dot_f32(out_spec, probs.astype(v.dtype), v).astype(v.dtype)  # rounded once (models/precision.py)
+    scores = []
+    for k, _, mask_bts in segments:
+        s = dot_f32(scores_spec, q, k) * (D ** -0.5)  # float32; its backward in the compute dtype
+        # A finite floor (not -inf) keeps fully masked padding rows NaN-free in value and gradient.
+        scores.append(jnp.where(mask_bts[:, None, None], s, jnp.finfo(jnp.float32).min))
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0], axis=-1)
+    ends = np.cumsum([s.shape[-1] for s in scores])
+    out = None
+    for (_, v, _), start, end in zip(segments, [0, *ends[:-1]], ends):
+        o = dot_f32(out_spec, probs[..., start:end].astype(v.dtype), v)
+        out = o if out is None else out + o
+    out = out.astype(segments[0][1].dtype)  # rounded once (models/precision.py)
     if layout == "keys_ds":
         out = out.transpose(0, 3, 1, 2, 4)
     return out.reshape(B, T, H, D)
