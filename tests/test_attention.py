@@ -11,7 +11,8 @@ from flax import nnx
 
 from marljax.config import DEMO_CONFIG, load_config
 from marljax.models.attention import (ATTENTION_LAYOUTS, DENSE_MAX_LENGTH, _needed, attention,
-                                      blockwise_attention, causal_attention, resolve_attention)
+                                      blockwise_attention, causal_attention, resolve_attention,
+                                      segmented_attention)
 from marljax.models.decoder import Decoder
 from marljax.models.presets import PRESETS
 from marljax.rl.step import StepConfig
@@ -64,6 +65,36 @@ def test_attention_layouts_match_float64(layout):
     np.testing.assert_allclose(out, out_ref, rtol=0, atol=1e-5)
     for name, g, g_ref in zip("qkv", grads, grads_ref):
         np.testing.assert_allclose(g, g_ref, rtol=0, atol=1e-5, err_msg=f"d{name} ({layout})")
+
+
+@pytest.mark.parametrize("layout", sorted(ATTENTION_LAYOUTS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_segmented_attention_equals_attention_over_the_concatenated_keys(layout, dtype):
+    """Keys and values split at column 4 into two segments with their own masks (the rollout engine's
+    dense cache and chunk buffer): the float64 attention over the whole, and in bfloat16 the one-segment
+    `attention` over the concatenation (one softmax: the segments must not be normalised apart)."""
+    rng = np.random.default_rng(1)
+    q, w = rng.normal(size=(2, B, T, H, DH))
+    k, v = rng.normal(size=(2, B, T, K, DH))
+    mask = np.tril(np.ones((T, T), bool))[None].repeat(B, 0)
+    mask[1, :, 2:4] = False  # a hole in row 1's first segment
+    k_spec, v_spec = (spec.split(",")[1].split("-")[0] for spec in ATTENTION_LAYOUTS[layout])
+    dt = jnp.dtype(dtype)
+    k_l = jnp.asarray(k.transpose(TO_LAYOUT[k_spec]), dt)
+    v_l = jnp.asarray(v.transpose(TO_LAYOUT[v_spec]), dt)
+    cut = {"bksd": lambda a, s: a[:, :, s], "bkds": lambda a, s: a[..., s]}
+    segments = [(cut[k_spec](k_l, part), cut[v_spec](v_l, part), jnp.asarray(mask[..., part]))
+                for part in (slice(0, 4), slice(4, T))]
+    q_l = jnp.asarray(q, dt)
+    out = jax.jit(segmented_attention, static_argnums=2)(q_l, segments, layout)
+    whole = jax.jit(attention, static_argnums=4)(q_l, k_l, v_l, jnp.asarray(mask), layout)
+    if dtype == "float32":  # as test_attention_layouts_match_float64: a few ulps observed, 1e-5 allowed
+        np.testing.assert_allclose(out, reference(q, k, v, mask, w)[0], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(out, whole, rtol=0, atol=1e-6)
+    else:  # the same rounded probabilities, the value products summed in float32 in another order, rounded
+        # once: at most one bfloat16 ulp apart (2^-7 relative at |out| < 2: 1.6e-2)
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(whole, np.float32), rtol=0, atol=1.6e-2)
+        assert np.mean(np.asarray(out) == np.asarray(whole)) > 0.95
 
 
 # ---- the uncached entry: blockwise and cuDNN/XLA against float64 and dense --------------------------

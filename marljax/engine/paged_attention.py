@@ -15,12 +15,14 @@ attends the keys at positions ≤ its own. `impl` (`PAGED_ATTENTIONS`):
           (the engine's prefill rows start at 0, its decode rows hold one query): `kernel_cache_attention`
   chunk   decode only (`marljax.engine.engine._decode_chunk`; prefill takes the gather path): the rows'
           pages are gathered into dense caches (`dense_cache`, the layouts the decoder's cache attention
-          reads in place), the chunk's steps decode over them as the static sampler does, and the
-          positions they wrote go back into the pages at the end (`write_back`). The caches are kept
+          reads in place), which stay read-only through the chunk: each step writes its keys and values
+          into a buffer of the chunk's `steps` columns and attends the dense cache and the buffer as two
+          segments (`chunk_cache_attention`); at the end the buffer's writes go into the pages and the
+          dense caches (`chunk_writes`). The caches are kept
           for the next chunk: rows stay put (`scheduler.stable_rows`) and only the rows that hold a new
           sequence are gathered again (`refresh_dense`), all of them when the rows or the width change.
           `Engine(length_groups=G > 1)` sorts the rows by length into groups (`length_groups`), each
-          with its own cache as wide as its longest row (`grouped_cache_attention`). Off by default: on
+          with its own cache as wide as its longest row and its own buffer. Off by default: on
           the 32 × 8 GSM8K bench it ran 179 tok/s against 214 with one group (2026-12-05; each width
           tuple is a compile, and new tuples compiled during the timed run), docs/benchmarks.md.
           On XLA CPU a gather per step costs more than the attention it feeds (SmolLM2-135M, 64 rows:
@@ -147,7 +149,7 @@ def refresh_dense(dense, pages, rows_f, table_fw):
     out = []
     for old, layer in zip(dense, pages):
         fresh = _dense(layer["kv"].reshape(R * N, *layer["kv"].shape[2:]), table_fw)
-        out.append({name: old[name].at[rows_f].set(fresh[name], mode="drop") for name in old})
+        out.append({name: set_at(old[name], rows_f, fresh[name], mode="drop") for name in old})
     return out
 
 
