@@ -172,9 +172,10 @@ def chunk_cache_attention(rows_g, first_s, step):
     of its buffer ({"k": [n, K, Dh, steps], "v": [n, K, steps, Dh]}, `init_cache`'s layout) and attends
     its dense cache's columns before each row's first position of the chunk (`first_s`) and the buffer's
     columns ≤ step, as two segments (`segmented_attention`). The dense caches stay read-only during the
-    chunk: a step writes B × K × Dh numbers in place, not a scatter into the whole cache, which XLA CPU
-    ran as a copy of it in float32 and a conversion of it to float32 and back in bfloat16 (~285 of
-    ~370 ms per bfloat16 step at 128 rows × 432 columns × 30 layers; docs/benchmarks.md)."""
+    chunk: a step writes B × K × Dh numbers at one column of a small buffer, not a scatter into each
+    layer's whole cache, which in bfloat16 XLA CPU ran through a copy of the cache per layer and step
+    (the engine's bfloat16 rate 1.30x, float32 0.97x within the noise: docs/benchmarks.md "Rollout
+    engine (SmolLM2-135M, GSM8K 8 × 8, CPU)", session 26)."""
     inverse_s = None if isinstance(rows_g[0], slice) else jnp.argsort(jnp.concatenate(rows_g))
 
     def hook(q_bthd, k_btkd, v_btkd, kv, positions_bt):
