@@ -65,10 +65,11 @@ _dot_f32.defvjp(_dot_f32_fwd, _dot_f32_bwd)
 
 
 def set_at(array, index, values, **how):
-    """`array.at[index].set(values, **how)` (`how`: e.g. mode="drop"), values cast to the array's dtype. A 16-bit float array is scattered
-    as its uint16 bits (the same result): XLA CPU scatters into bfloat16 by converting the whole array to
-    float32 and back at every write, which for a bf16 KV cache cost more than the decode step's matmuls
-    (a profiled engine call: docs/benchmarks.md "Rollout engine", session 17)."""
+    """`array.at[index].set(values, **how)` (`how`: e.g. mode="drop"), values cast to the array's dtype.
+    A 16-bit float array is scattered as its uint16 bits (the same result): XLA CPU scatters into
+    bfloat16 by converting the whole array to float32 and back at every write, which for a bf16 KV cache
+    cost more than the decode step's matmuls (a profiled engine call: docs/benchmarks.md "Rollout
+    engine", session 17)."""
     values = jnp.asarray(values).astype(array.dtype)
     if not (jnp.issubdtype(array.dtype, jnp.floating) and array.dtype.itemsize == 2):
         return array.at[index].set(values, **how)
