@@ -157,8 +157,8 @@ class SamplingSection:
     # LoRA: decode every parameter set in one batch (per-row adapters, no merged copies). Off, each set in
     # flight holds its own stream: its own page pool (max_cache_tokens each) and merged copy of the layers
     mix_sets: bool = False
-    # engine.paged_attention.PAGED_ATTENTIONS: auto (TPU kernel, CPU chunk, else gather) | gather | chunk |
-    # kernel | gpu_kernel (Pallas' Triton decode kernel: opt-in, not yet run on a GPU)
+    # engine.paged_attention.PAGED_ATTENTIONS: auto (TPU kernel, CPU cpu_kernel or chunk, else gather) | gather |
+    # chunk | cpu_kernel | kernel | gpu_kernel (Pallas' Triton decode kernel: opt-in, not yet run on a GPU)
     paged_attention: str = "auto"
     # engine.scheduler.ADMISSIONS: what a request must find free in the pool to start. worst_case: the pages of
     # prompt + max_new_tokens; optimistic: of its first decode chunk (a pool sized by the tokens in flight; a

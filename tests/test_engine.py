@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from marljax.engine import Engine
+from marljax.engine import Engine, cpu_attention
 from marljax.engine.engine import prefill_chunk
 from marljax.engine.kv_pages import PagePool, page_bytes
 from marljax.engine.scheduler import block_groups, stable_rows
-from marljax.engine.paged_attention import (gather_attention, gpu_kernel_cache_attention, interleave,
+from marljax.engine.paged_attention import (CHUNK_PATHS, gather_attention, gpu_kernel_cache_attention, interleave,
                                             kernel_cache_attention, length_groups, resolve_paged_attention,
                                             write_pages)
 from marljax.models.attention import attention
@@ -198,7 +198,7 @@ import dataclasses
 import numpy as np, jax
 from marljax import sharding
 from marljax.config import MeshConfig
-from marljax.engine import Engine
+from marljax.engine import Engine, cpu_attention
 from marljax.models.loading import load_model
 from marljax.models.lora import LoRAConfig, init_lora
 from marljax.models.presets import get_preset
@@ -278,7 +278,7 @@ def test_stable_rows_keep_rows_in_their_rank_block():
 
 def test_paged_attention_path_by_backend():
     assert resolve_paged_attention("auto", "tpu") == "kernel"
-    assert resolve_paged_attention("auto", "cpu") == "chunk"
+    assert resolve_paged_attention("auto", "cpu") == ("chunk" if cpu_attention.unavailable() else "cpu_kernel")
     assert resolve_paged_attention("auto", "gpu") == "gather"  # until gpu_kernel has run on a GPU
     assert resolve_paged_attention("gpu_kernel", "cpu") == "gpu_kernel"
     assert resolve_paged_attention("kernel", "cpu") == "kernel"
@@ -304,14 +304,17 @@ def test_greedy_equals_static_sampler_with_few_slots(model):
     assert 0 < engine.stats.peak_kv_bytes < engine.stats.pool_bytes
 
 
-@pytest.mark.parametrize("att,ranks", [("chunk", 1), ("chunk", 2), ("gpu_kernel", 1)])
+@pytest.mark.parametrize("att,ranks", [("chunk", 1), ("chunk", 2), ("cpu_kernel", 1), ("cpu_kernel", 2),
+                                       ("gpu_kernel", 1)])
 def test_decode_paths_equal_gather_attention(model, att, ranks):
-    """Decode chunks over a dense copy of the pages (`chunk`, written back at the chunk's end), or through
-    the GPU paged-attention kernel (in Pallas' interpreter here), against a gather per step: the same
+    """Decode chunks over a dense copy of the pages (`chunk`, written back at the chunk's end; `cpu_kernel`,
+    its attention through the CPU kernel), or through the GPU paged-attention kernel (in Pallas' interpreter here), against a gather per step: the same
     sampled tokens and stops (T = 1, top-k, a stop token, 3 slots per rank recycled, chunks of 5 steps
     over pages of 4), logprobs within 1e-5, and the same pools afterwards (every page but the null page,
     which takes the padding rows' writes) within 1e-5. The chunk path keeps its dense copy from chunk to
     chunk: it gathers fewer rows than it decodes."""
+    if att == "cpu_kernel" and cpu_attention.unavailable():
+        pytest.skip(f"the CPU decode-attention kernel cannot be built here: {cpu_attention.unavailable()}")
     sp = SamplingParams(max_new_tokens=17, temperature=1.0, top_k=20, seed=3)
     stop = Engine(model, num_slots=2 * ranks, ranks=ranks).generate(PROMPTS, sp).tokens[3][2]
     sp = dataclasses.replace(sp, stop_token_ids=(stop,))
@@ -325,9 +328,9 @@ def test_decode_paths_equal_gather_attention(model, att, ranks):
     np.testing.assert_allclose(np.concatenate(c.logprobs), np.concatenate(g.logprobs), atol=1e-5)
     for lg, lc in zip(eg._spare, ec._spare):
         np.testing.assert_allclose(np.asarray(lc["kv"])[:, 1:], np.asarray(lg["kv"])[:, 1:], atol=1e-5)
-    assert eg.stats.peak_dense_bytes == 0 and (ec.stats.peak_dense_bytes > 0) == (att == "chunk")
+    assert eg.stats.peak_dense_bytes == 0 and (ec.stats.peak_dense_bytes > 0) == (att in CHUNK_PATHS)
     assert eg.stats.dense_row_gathers == 0 and ec.stats.decode_rows == eg.stats.decode_rows
-    if att == "chunk":
+    if att in CHUNK_PATHS:
         assert 0 < ec.stats.dense_row_gathers < ec.stats.decode_rows, ec.stats
 
 

@@ -47,9 +47,9 @@ from marljax import sharding
 from marljax.engine.draw import SampleOutput, SamplingParams, sample_rows
 from marljax.engine.kv_pages import (NULL_PAGE, PagePool, copy_pages, grow_pages, init_pages, page_bytes, pages_for,
                                      pool_pages)
-from marljax.engine.paged_attention import (chunk_cache_attention, chunk_writes, dense_cache, gather_dense,
-                                            interleave, length_groups, paged_cache_attention, refresh_dense,
-                                            resolve_paged_attention, write_pages)
+from marljax.engine.paged_attention import (CHUNK_PATHS, chunk_cache_attention, chunk_writes, dense_cache,
+                                            gather_dense, interleave, length_groups, paged_cache_attention,
+                                            refresh_dense, resolve_paged_attention, write_pages)
 from marljax.engine.scheduler import ADMISSIONS, Scheduler, block_groups, rank_rows
 from marljax.models.decoder import Decoder, init_cache, write_cache
 from marljax.models.lora import stack_adapters
@@ -306,7 +306,7 @@ class Stream:
             rows = len(b["token"])
             lora = None if self.lora is None else {**self.lora, "lora_groups": b["groups"]}
             order, widths, dense, table = None, None, None, b["page_table"]
-            if resolve_paged_attention(e.attention) == "chunk":
+            if resolve_paged_attention(e.attention) in CHUNK_PATHS:
                 order, widths = length_groups(b["held"], e.ranks, e.length_groups)
                 if len(widths) == 1:
                     dense, table = self._dense(b)
@@ -425,7 +425,8 @@ def _decode_chunk(graphdef, state, layers, pages, dense, table_sw, token_s, pos_
     model = nnx.merge(graphdef, state)
     S = token_s.shape[0]
     stop_ids = jnp.asarray(stops, jnp.int32)
-    chunk = resolve_paged_attention(attention) == "chunk"
+    path = resolve_paged_attention(attention)
+    chunk = path in CHUNK_PATHS
     if chunk and len(widths) == 1:  # one group, rows in place: `dense`, kept from chunk to chunk
         rows_g, tables_g, caches = [slice(None)], [table_sw], [[layer] for layer in dense]
     elif chunk:
@@ -444,7 +445,7 @@ def _decode_chunk(graphdef, state, layers, pages, dense, table_sw, token_s, pos_
 
     def body(c):
         if chunk:
-            attend = chunk_cache_attention(rows_g, pos_s, c["i"])
+            attend = chunk_cache_attention(rows_g, pos_s, c["i"], kernel=path == "cpu_kernel")
             cache = [{"dense": d, "new": new} for d, new in zip(caches, c["kv"])]
         else:
             attend, cache = paged_cache_attention(table_sw, attention), c["kv"]

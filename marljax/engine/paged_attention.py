@@ -28,13 +28,20 @@ attends the keys at positions ≤ its own. `impl` (`PAGED_ATTENTIONS`):
           On XLA CPU a gather per step costs more than the attention it feeds (SmolLM2-135M, 64 rows:
           6.8 ms per layer dense, 44 ms gathered; engine throughput 1.7× with chunk, docs/benchmarks.md);
           the price is a dense copy of the rows in flight beside the pool (`EngineStats.peak_dense_bytes`)
+  cpu_kernel  the chunk path with each segment's attention (the dense cache up to the row's first
+          position of the chunk, the buffer up to the step) through `marljax.engine.cpu_attention`'s kernel,
+          which reads each row's real columns once at memory speed, and the segments combined by their
+          log-sum-exps (`chunk_cache_attention(..., kernel=True)`): XLA CPU runs the masked dense form's
+          small per-(row, KV head) products far under the memory bandwidth and over the padded width
+          (docs/benchmarks.md "CPU decode attention kernel"). On one device only (no mesh of several:
+          XLA cannot partition the kernel); built on first use with the host's C++ compiler
   gpu_kernel  decode rows (one query each; prefill takes the gather path): the body of Pallas' GPU
           paged-attention kernel (`jax.experimental.pallas.ops.gpu.paged_attention`, Triton; online
           softmax in float32) in our own `pallas_call`, whose block specs read the keys and values of KV
           head h as heads 2h and 2h + 1 of the interleaved pool in place: no per-step copy of the pool
           into the kernel's separate key and value pages (`gpu_kernel_cache_attention`)
-  auto    the kernel when the code is traced for a TPU (`models.attention.target_backend`), chunk on a
-          CPU, gather elsewhere. A GPU keeps gather until gpu_kernel has run on one: it is checked
+  auto    the kernel when the code is traced for a TPU (`models.attention.target_backend`), cpu_kernel on
+          a CPU (chunk where a mesh spans several devices or the kernel cannot be built), gather elsewhere. A GPU keeps gather until gpu_kernel has run on one: it is checked
           against the gather path in Pallas' interpreter and lowered through Triton for CUDA on a CPU
           host (tests/test_engine.py), never compiled to PTX or timed here (no GPU).
 
@@ -59,12 +66,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from marljax import sharding
+from marljax.engine import cpu_attention
 from marljax.models.attention import CACHE_LAYOUT, attention, segmented_attention, target_backend
 from marljax.models.decoder import cache_columns, cache_mask
 from marljax.models.precision import set_at
 from marljax.shapes import page_bucket
 
-PAGED_ATTENTIONS = ("auto", "gather", "chunk", "kernel", "gpu_kernel")
+PAGED_ATTENTIONS = ("auto", "gather", "chunk", "cpu_kernel", "kernel", "gpu_kernel")
+CHUNK_PATHS = ("chunk", "cpu_kernel")  # decode over a dense copy of the rows' pages and a buffer per chunk
 # The kernel's block sizes: KV pages and queries per grid step. Its own table of tuned sizes
 # (`ragged_paged_attention.tuned_block_sizes`) keys on the device it runs on, which a CPU host compiling
 # for a TPU is not; these are that table's entries for 16-position pages at its longest contexts on v5
@@ -82,10 +91,17 @@ def resolve_paged_attention(name: str, backend: str | None = None) -> str:
     """The path `name` runs as on `backend` (default: the backend being traced for)."""
     if name not in PAGED_ATTENTIONS:
         raise ValueError(f"paged attention {name!r}; choose from {PAGED_ATTENTIONS} (auto: the kernel on a "
-                         "TPU, chunk on a CPU, gather elsewhere).")
+                         "TPU, cpu_kernel on a CPU, gather elsewhere).")
+    several = jax.sharding.get_abstract_mesh().size > 1
+    if name == "cpu_kernel" and several:
+        raise ValueError("paged attention 'cpu_kernel' runs on one device (XLA cannot partition the kernel); "
+                         "on a mesh of several devices use 'chunk' or 'auto'.")
     if name != "auto":
         return name
-    return {"tpu": "kernel", "cpu": "chunk"}.get(backend or target_backend(), "gather")
+    backend = backend or target_backend()
+    if backend == "cpu":
+        return "chunk" if several or cpu_attention.unavailable() else "cpu_kernel"
+    return {"tpu": "kernel"}.get(backend, "gather")
 
 
 def interleave(k_btkd, v_btkd):
@@ -165,7 +181,7 @@ def chunk_writes(new, first_b, last_b, steps: int):
     return k_btkd, v_btkd, first_b[:, None] + cols_bt
 
 
-def chunk_cache_attention(rows_g, first_s, step):
+def chunk_cache_attention(rows_g, first_s, step, kernel: bool = False):
     """The decoder's `cache_attention` hook for step `step` of a decode chunk over each layer's
     {"dense": the groups' dense caches, "new": the groups' buffers}: group g (rows rows_g[g], in order
     when they are a permutation, `length_groups`) writes its rows' new keys and values at column `step`
@@ -175,7 +191,9 @@ def chunk_cache_attention(rows_g, first_s, step):
     chunk: a step writes B × K × Dh numbers at one column of a small buffer, not a scatter into each
     layer's whole cache, which in bfloat16 XLA CPU ran through a copy of the cache per layer and step
     (the engine's bfloat16 rate 1.30x, float32 0.97x within the noise: docs/benchmarks.md "Rollout
-    engine (SmolLM2-135M, GSM8K 8 × 8, CPU)", session 26)."""
+    engine (SmolLM2-135M, GSM8K 8 × 8, CPU)", session 26). `kernel`: the two segments through the CPU
+    kernel (`cpu_attention.segmented_decode_attention`, each row's real columns only) instead of XLA's
+    masked dense form."""
     inverse_s = None if isinstance(rows_g[0], slice) else jnp.argsort(jnp.concatenate(rows_g))
 
     def hook(q_bthd, k_btkd, v_btkd, kv, positions_bt):
@@ -188,10 +206,15 @@ def chunk_cache_attention(rows_g, first_s, step):
                                                      (0, 0, step, 0))}
             first_b = first_s[rows]
             n, steps = first_b.shape[0], new["v"].shape[2]
-            before = jnp.arange(cache_columns(cache), dtype=jnp.int32)[None, None, :] < first_b[:, None, None]
-            upto = jnp.broadcast_to(jnp.arange(steps, dtype=jnp.int32)[None, None, :] <= step, (n, 1, steps))
-            outs.append(segmented_attention(q_bthd[rows], [(cache["k"], cache["v"], before),
-                                                           (new["k"], new["v"], upto)]))
+            if kernel:
+                upto = jnp.full((n,), step + 1, jnp.int32)
+                outs.append(cpu_attention.segmented_decode_attention(
+                    q_bthd[rows], [(cache["k"], cache["v"], first_b), (new["k"], new["v"], upto)]))
+            else:
+                before = jnp.arange(cache_columns(cache), dtype=jnp.int32)[None, None, :] < first_b[:, None, None]
+                upto = jnp.broadcast_to(jnp.arange(steps, dtype=jnp.int32)[None, None, :] <= step, (n, 1, steps))
+                outs.append(segmented_attention(q_bthd[rows], [(cache["k"], cache["v"], before),
+                                                               (new["k"], new["v"], upto)]))
             written.append(new)
         out = outs[0] if inverse_s is None else jnp.concatenate(outs)[inverse_s]
         return out, {"dense": kv["dense"], "new": written}
