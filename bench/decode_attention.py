@@ -1,11 +1,15 @@
 """What one decode step's attention costs on this CPU, in the form the samplers use and in rewrites of it.
 
 Times a jitted loop over `--layers` layers of decode attention (one query per row, SmolLM2-135M's 9 query
-and 3 KV heads of 64, float32, each layer its own keys and values, in the layout each contender reads) at
-`--rows` × `--columns`, the contenders alternated; median of `--samples`, compile excluded. Each rewrite is
-checked against the current form first (max abs difference printed).
+and 3 KV heads of 64, `--dtype` keys, values and queries, each layer its own keys and values, in the layout
+each contender reads) at `--rows` × `--columns`, each row attending its first L columns (L drawn
+uniformly from [columns/4, columns], as rows of varied lengths in one batch), the contenders alternated;
+median of `--samples`, compile excluded. Each rewrite is checked against the current form first (max abs
+difference printed).
   current    `marljax.models.attention.attention` over the dense cache's layout (`CACHE_LAYOUT`, "keys_ds":
              keys [B, K, Dh, S], values [B, K, S, Dh]): scores, mask, softmax, value product
+  cpu_kernel `marljax.engine.cpu_attention.segmented_decode_attention` over the same arrays (one segment,
+             each row's length): the engine's CPU kernel, which reads each row's first L columns only
   keys_sd    the same over the cache's layout before 2026-12-06 (keys [B, K, S, Dh], values [B, K, Dh, S]);
              the rewrites below read this layout too
   late_norm  unnormalised exponentials into the value product, divided after (`bkgd,bksd->bkgs` scores)
@@ -13,6 +17,7 @@ checked against the current form first (max abs difference printed).
   mul_sum    scores as a multiply and a sum over the head dimension
 
     nice python bench/decode_attention.py [--rows 128] [--columns 432] [--layers 30] [--samples 5]
+                                          [--dtype float32|bfloat16] [--contenders current cpu_kernel …]
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marljax.engine.cpu_attention import segmented_decode_attention
 from marljax.models.attention import CACHE_LAYOUT, attention
 
 H, K, DH = 9, 3, 64
@@ -34,6 +40,10 @@ FLOOR = float(jnp.finfo(jnp.float32).min)
 
 def current(q_bthd, k, v, mask_bs):
     return attention(q_bthd, k, v, mask_bs[:, None], CACHE_LAYOUT)
+
+
+def cpu_kernel(q_bthd, k, v, mask_bs):
+    return segmented_decode_attention(q_bthd, [(k, v, mask_bs.sum(axis=1, dtype=jnp.int32))])
 
 
 def keys_sd(q_bthd, k_bksd, v_bkds, mask_bs):
@@ -63,7 +73,7 @@ def mul_sum(q_bthd, k_bksd, v_bkds, mask_bs):
     return jnp.einsum("bkgs,bkds->bkgd", p, v_bkds).reshape(B, 1, H, DH)
 
 
-CONTENDERS = {"current": current, "keys_sd": keys_sd, "late_norm": late_norm, "keys_rows": keys_rows,
+CONTENDERS = {"current": current, "cpu_kernel": cpu_kernel, "keys_sd": keys_sd, "late_norm": late_norm, "keys_rows": keys_rows,
               "mul_sum": mul_sum}
 # keys and values [B, S, K, Dh] -> each contender's layout (`attention.ATTENTION_LAYOUTS`)
 LAYOUTS = {"keys_ds": ((0, 2, 3, 1), (0, 2, 1, 3)), "keys_sd": ((0, 2, 1, 3), (0, 2, 3, 1))}
@@ -86,20 +96,22 @@ def main():
     ap.add_argument("--columns", type=int, default=432)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--samples", type=int, default=5)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS))
     a = ap.parse_args()
     print(machine(malloc=False))
     B, S = a.rows, a.columns
     rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.normal(size=(B, 1, H, DH)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(B, 1, H, DH)), a.dtype)
     kv = [rng.normal(size=(2, B, S, K, DH)).astype(np.float32) for _ in range(a.layers)]
     mask = jnp.arange(S)[None] <= jnp.asarray(rng.integers(S // 4, S, size=(B, 1)))
-    runs = {name: layers_of(f, a.layers) for name, f in CONTENDERS.items()}
-    arrays = {lay: ([jnp.asarray(k.transpose(kt)) for k, _ in kv], [jnp.asarray(v.transpose(vt)) for _, v in kv])
-              for lay, (kt, vt) in LAYOUTS.items()}
-    layout = {name: CACHE_LAYOUT if name == "current" else "keys_sd" for name in runs}
-    ref = np.asarray(runs["current"](q, *arrays[CACHE_LAYOUT], mask))
+    runs = {name: layers_of(CONTENDERS[name], a.layers) for name in dict.fromkeys(["current", *a.contenders])}
+    arrays = {lay: ([jnp.asarray(k.transpose(kt), a.dtype) for k, _ in kv],
+                    [jnp.asarray(v.transpose(vt), a.dtype) for _, v in kv]) for lay, (kt, vt) in LAYOUTS.items()}
+    layout = {name: CACHE_LAYOUT if name in ("current", "cpu_kernel") else "keys_sd" for name in runs}
+    ref = np.asarray(runs["current"](q, *arrays[CACHE_LAYOUT], mask), np.float32)
     for name, run in runs.items():
-        diff = np.abs(np.asarray(run(q, *arrays[layout[name]], mask)) - ref).max()
+        diff = np.abs(np.asarray(run(q, *arrays[layout[name]], mask), np.float32) - ref).max()
         print(f"{name}: max |difference| from current {diff:.2e}")
     times = {name: [] for name in runs}
     for _ in range(a.samples):
@@ -107,9 +119,11 @@ def main():
             t = time.perf_counter()
             jax.block_until_ready(run(q, *arrays[layout[name]], mask))
             times[name].append(time.perf_counter() - t)
-    gb = 2 * a.layers * B * K * S * DH * 4 / 1e9
-    print(f"\n{B} rows × {S} columns × {a.layers} layers: {gb:.2f} GB of keys and values per step")
-    print("| contender | ms per step (median) | range | GB/s of keys and values |\n|---|---|---|---|")
+    gb = 2 * a.layers * B * K * S * DH * jnp.dtype(a.dtype).itemsize / 1e9
+    real = float(mask.mean())
+    print(f"\n{B} rows × {S} columns × {a.layers} layers, {a.dtype}: {gb:.2f} GB of keys and values per step, "
+          f"{real * gb:.2f} GB of them in the rows' lengths (mean {real * S:.0f} columns)")
+    print("| contender | ms per step (median) | range | GB/s of keys and values (whole width) |\n|---|---|---|---|")
     for name, ts in times.items():
         med = statistics.median(ts)
         print(f"| {name} | {1e3 * med:.1f} | {1e3 * min(ts):.1f}–{1e3 * max(ts):.1f} | {gb / med:.1f} |")

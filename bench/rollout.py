@@ -4,7 +4,10 @@ SmolLM2-135M-Instruct, GSM8K test questions in the math `solve` prompt (chat tem
 `--samples` times (a GRPO group: identical prompts side by side), T = 0.7, top-p 1, max 256 new tokens,
 stop on the chat's end tokens. Contenders, alternated within each repeat (the machine drifts):
   engine  `marljax.engine.Engine.generate` (continuous batching over `--slots` slots, paged KV, shared
-          prompt prefixes; the CPU's `chunk` attention: pages gathered once per decode chunk)
+          prompt prefixes; on a CPU the `cpu_kernel` attention: pages gathered once per decode chunk into a
+          dense copy, which `marljax.engine.cpu_attention`'s kernel reads up to each row's real length)
+  engine-xla-chunk  the same engine with `attention="chunk"`: the dense copy read by XLA's masked
+          attention over the copy's whole width (the CPU path before the kernel)
   engine-gather  the same engine with `attention="gather"` (pages gathered at every decode step)
   engine-one-group  the same engine with `length_groups=1`: every decode row over one dense copy as wide as
           the longest row (the chunk path before its length groups)
@@ -108,7 +111,7 @@ def run_hf(ctx, prompts, seed):
     return wall, useful
 
 
-ENGINES = {"engine": {}, "engine-gather": {"attention": "gather"}, "engine-one-group": {"length_groups": 1},
+ENGINES = {"engine": {}, "engine-xla-chunk": {"attention": "chunk"}, "engine-gather": {"attention": "gather"}, "engine-one-group": {"length_groups": 1},
            "engine-optimistic": {"admission": "optimistic"},
            "engine-chunk16": {"chunk_steps": 16}}  # Engine settings besides --slots
 CONTENDERS = {**{name: functools.partial(run_engine, name=name) for name in ENGINES},
