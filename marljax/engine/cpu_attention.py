@@ -30,8 +30,10 @@ import numpy as np
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_attention.cc")
 TARGET = "marljax_cpu_decode_attention"
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-std=c++17", "-shared", "-fPIC",
-         "-w")
+# -ffast-math: vectorised exp and reordered sums (the kernel keeps no infinities or NaNs of its own); on x86,
+# 512-bit vectors where the CPU has them (1.2-1.3x on AVX-512 in a scratch timing of the 30-layer loop)
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-w",
+         *(("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ()))
 MAX_GROUP = 8  # query heads per KV head the kernel is built for
 
 
