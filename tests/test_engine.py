@@ -282,6 +282,8 @@ def test_paged_attention_path_by_backend():
     assert resolve_paged_attention("auto", "gpu") == "gather"  # until gpu_kernel has run on a GPU
     assert resolve_paged_attention("gpu_kernel", "cpu") == "gpu_kernel"
     assert resolve_paged_attention("kernel", "cpu") == "kernel"
+    with pytest.raises(ValueError, match="one CPU device"):
+        resolve_paged_attention("cpu_kernel", "tpu")
     with pytest.raises(ValueError, match="choose from"):
         resolve_paged_attention("flash")
 

@@ -93,12 +93,13 @@ def resolve_paged_attention(name: str, backend: str | None = None) -> str:
         raise ValueError(f"paged attention {name!r}; choose from {PAGED_ATTENTIONS} (auto: the kernel on a "
                          "TPU, cpu_kernel on a CPU, gather elsewhere).")
     several = jax.sharding.get_abstract_mesh().size > 1
-    if name == "cpu_kernel" and several:
-        raise ValueError("paged attention 'cpu_kernel' runs on one device (XLA cannot partition the kernel); "
-                         "on a mesh of several devices use 'chunk' or 'auto'.")
+    backend = backend or target_backend()
+    if name == "cpu_kernel" and (several or backend != "cpu"):
+        raise ValueError(f"paged attention 'cpu_kernel' runs on one CPU device (a C++ handler XLA cannot "
+                         f"partition), not on {'a mesh of several devices' if several else backend}; use "
+                         "'chunk' or 'auto'.")
     if name != "auto":
         return name
-    backend = backend or target_backend()
     if backend == "cpu":
         return "chunk" if several or cpu_attention.unavailable() else "cpu_kernel"
     return {"tpu": "kernel"}.get(backend, "gather")
