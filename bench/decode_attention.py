@@ -73,8 +73,8 @@ def mul_sum(q_bthd, k_bksd, v_bkds, mask_bs):
     return jnp.einsum("bkgs,bkds->bkgd", p, v_bkds).reshape(B, 1, H, DH)
 
 
-CONTENDERS = {"current": current, "cpu_kernel": cpu_kernel, "keys_sd": keys_sd, "late_norm": late_norm, "keys_rows": keys_rows,
-              "mul_sum": mul_sum}
+CONTENDERS = {"current": current, "cpu_kernel": cpu_kernel, "keys_sd": keys_sd, "late_norm": late_norm,
+              "keys_rows": keys_rows, "mul_sum": mul_sum}
 # keys and values [B, S, K, Dh] -> each contender's layout (`attention.ATTENTION_LAYOUTS`)
 LAYOUTS = {"keys_ds": ((0, 2, 3, 1), (0, 2, 1, 3)), "keys_sd": ((0, 2, 1, 3), (0, 2, 3, 1))}
 

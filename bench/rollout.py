@@ -111,7 +111,8 @@ def run_hf(ctx, prompts, seed):
     return wall, useful
 
 
-ENGINES = {"engine": {}, "engine-xla-chunk": {"attention": "chunk"}, "engine-gather": {"attention": "gather"}, "engine-one-group": {"length_groups": 1},
+ENGINES = {"engine": {}, "engine-xla-chunk": {"attention": "chunk"}, "engine-gather": {"attention": "gather"},
+           "engine-one-group": {"length_groups": 1},
            "engine-optimistic": {"admission": "optimistic"},
            "engine-chunk16": {"chunk_steps": 16}}  # Engine settings besides --slots
 CONTENDERS = {**{name: functools.partial(run_engine, name=name) for name in ENGINES},

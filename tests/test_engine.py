@@ -310,11 +310,12 @@ def test_greedy_equals_static_sampler_with_few_slots(model):
                                        ("gpu_kernel", 1)])
 def test_decode_paths_equal_gather_attention(model, att, ranks):
     """Decode chunks over a dense copy of the pages (`chunk`, written back at the chunk's end; `cpu_kernel`,
-    its attention through the CPU kernel), or through the GPU paged-attention kernel (in Pallas' interpreter here), against a gather per step: the same
-    sampled tokens and stops (T = 1, top-k, a stop token, 3 slots per rank recycled, chunks of 5 steps
-    over pages of 4), logprobs within 1e-5, and the same pools afterwards (every page but the null page,
-    which takes the padding rows' writes) within 1e-5. The chunk path keeps its dense copy from chunk to
-    chunk: it gathers fewer rows than it decodes."""
+    its attention through the CPU kernel), or through the GPU paged-attention kernel (in Pallas'
+    interpreter here), against a gather per step: the same sampled tokens and stops (T = 1, top-k, a stop
+    token, 3 slots per rank recycled, chunks of 5 steps over pages of 4), logprobs within 1e-5, and the
+    same pools afterwards (every page but the null page, which takes the padding rows' writes) within
+    1e-5. The dense-copy paths keep their copy from chunk to chunk: they gather fewer rows than they
+    decode."""
     if att == "cpu_kernel" and cpu_attention.unavailable():
         pytest.skip(f"the CPU decode-attention kernel cannot be built here: {cpu_attention.unavailable()}")
     sp = SamplingParams(max_new_tokens=17, temperature=1.0, top_k=20, seed=3)

@@ -41,9 +41,10 @@ attends the keys at positions ≤ its own. `impl` (`PAGED_ATTENTIONS`):
           head h as heads 2h and 2h + 1 of the interleaved pool in place: no per-step copy of the pool
           into the kernel's separate key and value pages (`gpu_kernel_cache_attention`)
   auto    the kernel when the code is traced for a TPU (`models.attention.target_backend`), cpu_kernel on
-          a CPU (chunk where a mesh spans several devices or the kernel cannot be built), gather elsewhere. A GPU keeps gather until gpu_kernel has run on one: it is checked
-          against the gather path in Pallas' interpreter and lowered through Triton for CUDA on a CPU
-          host (tests/test_engine.py), never compiled to PTX or timed here (no GPU).
+          a CPU (chunk where a mesh spans several devices or the kernel cannot be built), gather
+          elsewhere. A GPU keeps gather until gpu_kernel has run on one: it is checked against the
+          gather path in Pallas' interpreter and lowered through Triton for CUDA on a CPU host
+          (tests/test_engine.py), never compiled to PTX or timed here (no GPU).
 
 Pool layout (`marljax.engine.kv_pages`), per layer {"kv": [R, pages, page_size, 2·kv_heads, head_dim]}:
 R rank pools, keys at the even and values at the odd combined heads (the kernel's layout, which the
