@@ -45,16 +45,13 @@ def _cpu_id() -> str:
     return "".join(sorted({line for line in info if line.startswith(("model name", "flags"))}))
 
 
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "g++"))
-
-
 def build(cxx: str | None = None, cache: pathlib.Path | None = None) -> pathlib.Path:
     """The kernel's shared library, compiled unless cached; RuntimeError naming the fix if it cannot be."""
-    cxx = cxx or _compiler()
-    if cxx is None or not shutil.which(cxx):
-        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'g++')!r} not found): install g++ "
-                           "(apt-get install g++) or set CXX; the engine uses XLA's chunk path meanwhile.")
+    wanted = cxx or os.environ.get("CXX", "g++")
+    cxx = shutil.which(wanted)
+    if cxx is None:
+        raise RuntimeError(f"no C++ compiler ({wanted!r} not found): install g++ (apt-get install g++) or set "
+                           "CXX; the engine uses XLA's chunk path meanwhile.")
     cache = cache or pathlib.Path(os.environ.get("MARLJAX_KERNEL_CACHE",
                                                  pathlib.Path.home() / ".cache" / "marljax" / "kernels"))
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
