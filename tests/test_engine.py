@@ -284,6 +284,10 @@ def test_paged_attention_path_by_backend():
     assert resolve_paged_attention("kernel", "cpu") == "kernel"
     with pytest.raises(ValueError, match="one CPU device"):
         resolve_paged_attention("cpu_kernel", "tpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("batch",))):  # XLA cannot split the kernel
+        assert resolve_paged_attention("auto", "cpu") == "chunk"
+        with pytest.raises(ValueError, match="mesh of several devices"):
+            resolve_paged_attention("cpu_kernel", "cpu")
     with pytest.raises(ValueError, match="choose from"):
         resolve_paged_attention("flash")
 
