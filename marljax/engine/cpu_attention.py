@@ -9,6 +9,8 @@ split over XLA's intra-op threads. It is compiled on first use with the host's C
 host's CPU (`-march=native`) into `$MARLJAX_KERNEL_CACHE` (default `~/.cache/marljax/kernels`), keyed by
 the source, the flags, the compiler, jaxlib and the CPU, and registered with `jax.ffi`. Without a
 compiler (`$CXX`, else g++) the engine keeps XLA's chunk path and says why (`unavailable()`).
+Loading it changes nothing outside it: fast-math is a compile flag only (no process-wide flush-to-zero),
+and a library already in the cache is never replaced (another process may have it loaded).
 """
 from __future__ import annotations
 
@@ -31,18 +33,37 @@ import numpy as np
 SOURCE = pathlib.Path(__file__).with_name("cpu_attention.cc")
 TARGET = "marljax_cpu_decode_attention"
 # -ffast-math: vectorised exp and reordered sums (the kernel keeps no infinities or NaNs of its own); on x86,
-# 512-bit vectors where the CPU has them (1.2-1.3x on AVX-512 in a scratch timing of the 30-layer loop)
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-w",
-         *(("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ()))
+# 512-bit vectors where the CPU has them (1.2-1.3x on AVX-512 in a scratch timing of the 30-layer loop).
+# Compiling only: linking with it adds crtfastmath.o (GCC before 13, some clangs), whose constructor turns on
+# flush-to-zero and denormals-are-zero for the whole process when the library is loaded. A separate link
+# step keeps it out with any compiler (GCC 13's -mno-daz-ftz would too).
+COMPILE = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC", "-w",
+           *(("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ()))
+LINK = ("-shared", "-fPIC")
 MAX_GROUP = 8  # query heads per KV head the kernel is built for
+# /proc/cpuinfo lines that name the CPU and its instruction set (what -march=native compiles for): x86's
+# "model name" and "flags"; aarch64's "Features" and "CPU implementer/architecture/variant/part"
+CPU_LINES = ("model name", "flags", "Features", "CPU implementer", "CPU architecture", "CPU variant", "CPU part")
 
 
-def _cpu_id() -> str:
-    try:
-        info = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    return "".join(sorted({line for line in info if line.startswith(("model name", "flags"))}))
+def _cpu_id(cpuinfo: str | None = None, machine: str | None = None) -> str:
+    """The CPU for the cache key: the machine (uname -m) and the CPU_LINES of `cpuinfo` (default
+    /proc/cpuinfo), else `platform.processor()`."""
+    machine = machine or platform.machine()
+    if cpuinfo is None:
+        try:
+            cpuinfo = pathlib.Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    lines = sorted({line.strip() for line in cpuinfo.splitlines() if line.startswith(CPU_LINES)})
+    return "\n".join([machine, *(lines or [platform.processor()])])
+
+
+def _run(cxx: str, args: list[str], step: str) -> None:
+    run = subprocess.run([cxx, *args], capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"{step} {SOURCE.name} with {cxx} failed (the engine uses XLA's chunk path "
+                           f"meanwhile):\n{run.stderr[-2000:]}")
 
 
 def build(cxx: str | None = None, cache: pathlib.Path | None = None) -> pathlib.Path:
@@ -55,20 +76,23 @@ def build(cxx: str | None = None, cache: pathlib.Path | None = None) -> pathlib.
     cache = cache or pathlib.Path(os.environ.get("MARLJAX_KERNEL_CACHE",
                                                  pathlib.Path.home() / ".cache" / "marljax" / "kernels"))
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, metadata.version("jaxlib"),
-                                     _cpu_id()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *COMPILE, "link:", *LINK, version,
+                                     metadata.version("jaxlib"), _cpu_id()]).encode()).hexdigest()[:16]
     lib = cache / f"cpu_attention-{key}.so"
     if lib.exists():
         return lib
     cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:  # compiled aside, renamed in: concurrent builds are safe
-        out = pathlib.Path(tmp) / lib.name
-        run = subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)],
-                             capture_output=True, text=True)
-        if run.returncode:
-            raise RuntimeError(f"compiling {SOURCE.name} with {cxx} failed (the engine uses XLA's chunk path "
-                               f"meanwhile):\n{run.stderr[-2000:]}")
-        os.replace(out, lib)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then linked in under its final name
+        obj, out = pathlib.Path(tmp) / "cpu_attention.o", pathlib.Path(tmp) / lib.name
+        _run(cxx, [*COMPILE, f"-I{jax.ffi.include_dir()}", "-c", str(SOURCE), "-o", str(obj)], "compiling")
+        _run(cxx, [*LINK, str(obj), "-o", str(out)], "linking")
+        try:  # a hard link, unlike a rename, never replaces a library that a concurrent build put there
+            os.link(out, lib)  # and a process may have loaded
+        except FileExistsError:
+            pass  # that build's library is this one
+        except OSError as e:
+            raise RuntimeError(f"cannot put the built kernel into {cache} ({e}): set MARLJAX_KERNEL_CACHE to a "
+                               "directory on a filesystem with hard links.") from e
     return lib
 
 
