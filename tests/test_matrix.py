@@ -2,7 +2,10 @@
 formula that matches the live device memory of a tiny-scale Qwen3-0.6B-shaped run."""
 import dataclasses
 import gc
+import json
+import math
 import pathlib
+import re
 
 import jax
 import pytest
@@ -149,9 +152,125 @@ def test_engine_plan_and_rollout_time_follow_the_real_tokens():
         assert per_chip <= est.max_cache_tokens / plan.ranks * matrix.kv_bytes_per_token(cfg, acc.dtype)
         assert (plan.pages - 1) * plan.page_size >= plan.context and plan.ranks == est.mesh[0] * est.mesh[1]
         assert 1 <= plan.slots <= -(-plan.in_flight // plan.ranks)
-        half = matrix.estimate(cell, acc, response_fill=0.5)
-        assert 0.3 * est.sample_s < half.sample_s < 0.55 * est.sample_s, (name, est.sample_s, half.sample_s)
+        half = matrix.estimate(cell, acc, lengths=matrix.length_fraction(0.5)).sample_at_s
+        assert 0.3 * est.sample_s < half < 0.55 * est.sample_s, (name, est.sample_s, half)
     single = next(c for c in matrix.cells() if c.name == "single-math-qwen3-4b")
     est = matrix.estimate(single, acc)
     args = (single, PRESETS[single.model], acc, est.mesh, est.engine, 512)
-    assert matrix._sampling_seconds(*args, 1, 1.0) > matrix._sampling_seconds(*args, 8, 1.0)
+    assert matrix._sampling_seconds(*args, 1, matrix.CAPS) > matrix._sampling_seconds(*args, 8, matrix.CAPS)
+
+
+def _columns(out: str) -> dict[str, list[str]]:
+    """The dry-run table's rows by cell name, split into columns."""
+    names = {c.name for c in matrix.cells()}
+    return {line.split()[0]: line.split() for line in out.splitlines() if line.split(" ", 1)[0] in names}
+
+
+def test_lengths_at_fraction_one_are_the_caps(capsys):
+    """`--length-fraction 1` prices every rollout exactly as the caps do, and a stated distribution never
+    changes the caps' columns (the upper bound): the table's columns up to run_h and its slice are the bare
+    `--dry-run`'s, byte for byte."""
+    acc = matrix.ACCELERATORS["v5e-8"]
+    for cell in matrix.cells():
+        caps, one = matrix.estimate(cell, acc), matrix.estimate(cell, acc, lengths=matrix.length_fraction(1.0))
+        assert (one.sample_at_s, one.eval_at_s, one.run_hours_at) == (caps.sample_s, caps.eval_s, caps.run_hours)
+        assert (one.sample_s, one.eval_s) == (caps.sample_s, caps.eval_s)
+    matrix.main(["--dry-run", "--accelerator", "v5e-8"])
+    bare = capsys.readouterr().out
+    matrix.main(["--dry-run", "--accelerator", "v5e-8", "--length-fraction", "0.5"])
+    half = capsys.readouterr().out
+    assert "L = at the caps" in bare and "L = at 0.5 of the caps" in half
+    rows, half_rows = _columns(bare), _columns(half)
+    assert len(rows) == 42
+    for name, row in rows.items():
+        assert row[-3] == row[-6] and row[-2] == row[-4]  # at L = the caps
+        assert half_rows[name][:-3] + half_rows[name][-1:] == row[:-3] + row[-1:]
+    total = lambda out: [float(x) for x in re.findall(r"wall-clock ≈ (\d+) h at the caps, (\d+) h at L", out)[0]]  # noqa: E731
+    assert total(bare)[0] == total(bare)[1] == total(half)[0] > total(half)[1]
+
+
+def test_half_lengths_price_every_cell_below_its_caps():
+    acc = matrix.ACCELERATORS["v5e-8"]
+    for cell in matrix.cells():
+        e = matrix.estimate(cell, acc, lengths=matrix.length_fraction(0.5))
+        assert e.sample_at_s < e.sample_s < math.inf and e.eval_at_s < e.eval_s, cell.name
+        assert e.run_hours_at < e.run_hours, cell.name
+
+
+def _run_dir(path: pathlib.Path, cap: str = "100", task: str = "arith") -> pathlib.Path:
+    """A Voting run's directory as `python -m marljax.train` writes it, cut to what `--lengths` reads: its
+    config and metrics with an eval record (whose lengths must not count) and two training steps with the
+    generator at 40 and 60 tokens (0.5 of a 100-token cap) and the aggregator at 20 and 30 (0.25)."""
+    path.mkdir()
+    (path / "config.yaml").write_text(f"task:\n  name: {task}\nworkflow:\n  name: voting\n"
+                                      f"sampling:\n  max_new_tokens: {cap}\n")
+    records = [{"step": 0, "eval/role/generator/length_mean": 99.0, "eval/pass@1": 0.1},
+               {"step": 1, "role/generator/length_mean": 40.0, "role/aggregator/length_mean": 20.0, "loss": 0.1},
+               {"step": 2, "role/generator/length_mean": 60.0, "role/aggregator/length_mean": 30.0, "loss": 0.1}]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_lengths_of_a_run_are_per_role_fractions_of_its_cap(tmp_path, capsys):
+    """`--lengths RUN_DIR`: each role's mean training length over the run's cap (eval records left out);
+    a cell's role the run lacks takes the mean of the run's roles, and the header says so."""
+    lengths = matrix.run_lengths(_run_dir(tmp_path / "run"))
+    assert (lengths.fill("generator"), lengths.fill("aggregator")) == (0.5, 0.25)
+    assert lengths.fill("worker") == lengths.fill("evaluator") == 0.375
+    null_cap = matrix.run_lengths(_run_dir(tmp_path / "math", cap="null", task="dapo_math"))  # resolved: 5120
+    assert null_cap.fill("generator") == pytest.approx(50 / 5120)
+    acc = matrix.ACCELERATORS["v5e-8"]
+    at = lambda cell, ls: matrix.estimate(cell, acc, lengths=ls).sample_at_s  # noqa: E731
+    voting = matrix.Cell("voting", "math", "qwen3-0.6b", "shared")
+    assert at(voting, matrix.length_fraction(0.25)) < at(voting, lengths) < at(voting, matrix.length_fraction(0.5))
+    assert at(voting, lengths) != at(voting, matrix.length_fraction(0.375))  # per role, not their mean
+    short_aggregator = matrix.Lengths((("aggregator", 0.25),), 1.0)  # each stage takes its own role's fraction
+    assert at(voting, lengths) < at(voting, short_aggregator) < at(voting, matrix.CAPS)
+    orch = matrix.Cell("orch_workers", "math", "qwen3-0.6b", "shared")  # no role of its in the run
+    assert at(orch, lengths) == at(orch, matrix.length_fraction(0.375))
+    matrix.main(["--dry-run", "--lengths", str(tmp_path / "run")])
+    header = capsys.readouterr().out.splitlines()[1]
+    assert f"at the lengths of {tmp_path / 'run'} (steps 1–2" in header and "cap, 100 tokens" in header
+    assert "generator 0.50 of its cap" in header and "aggregator 0.25 of its cap" in header
+    assert "not in the run, so at the mean of its roles (0.38): evaluator, orchestrator, synthesizer, worker" in header
+
+
+@pytest.mark.parametrize("damage", ["no dir", "no metrics", "no lengths", "bad json", "bad config"])
+def test_lengths_of_a_bad_run_dir_is_a_one_line_error(tmp_path, capsys, damage):
+    run = tmp_path / "missing" if damage == "no dir" else _run_dir(tmp_path / "run")
+    if damage == "no metrics":
+        (run / "metrics.jsonl").unlink()
+    elif damage == "no lengths":
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/role/generator/length_mean": 9.0}) + "\n")
+    elif damage == "bad json":
+        (run / "metrics.jsonl").write_text('{"step": 1, "role/generator/length_mean": 4')
+    elif damage == "bad config":
+        (run / "config.yaml").write_text("sampling:\n  max_new_tokenz: 3\n")
+    with pytest.raises(SystemExit) as exit_:
+        matrix.main(["--dry-run", "--lengths", str(run)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and "Traceback" not in "\n".join(err)
+    assert err[-1].startswith("python -m marljax.matrix: error: --lengths: ") and str(run) in err[-1]
+    assert "--length-fraction" in err[-1] if damage == "no lengths" else "python -m marljax.train" in err[-1]
+
+
+def test_a_compiled_decode_step_replaces_the_models():
+    """`decode_step_s` (a compiled engine's step, `aot.CompiledEngine.step_s`) takes the roofline model's
+    place: the rollout time is then prefill + that step × the decode steps (linear in it), the decode steps
+    still following the lengths; the header names the source."""
+    acc = matrix.ACCELERATORS["v5e-8"]
+    cell = matrix.Cell("voting", "math", "qwen3-0.6b", "shared")  # fsdp 1: no all-gather to add
+    est = matrix.estimate(cell, acc)
+    args = (cell, PRESETS[cell.model], acc, est.mesh, est.engine, 512, 8)
+    s = lambda d, ls=matrix.CAPS: matrix._sampling_seconds(*args, ls, d)  # noqa: E731
+    assert s(None) == est.sample_s and s(0.0) < s(None)  # the model's steps take time; prefill alone is less
+    assert s(0.02) - s(0.01) == pytest.approx(s(0.01) - s(0.0)) and s(0.02) > s(0.01)
+    half = matrix.length_fraction(0.5)
+    assert s(0.01, half) - s(0.0, half) < 0.55 * (s(0.01) - s(0.0))  # half the tokens: about half the steps
+    compiled = matrix.estimate(cell, acc, lengths=half, decode_step_s=0.01)
+    assert (compiled.sample_s, compiled.sample_at_s) == (s(0.01), s(0.01, half))
+    assert (compiled.decode_step, est.decode_step) == (matrix.DECODE_AOT, matrix.DECODE_MODEL)
+    head = lambda ests: matrix.table(ests, acc, 1).splitlines()[1]  # noqa: E731
+    assert head([est]).startswith("# decode step: roofline model;")
+    assert head([compiled]).startswith("# decode step: compiled engine's cost analysis (--aot);")
+    assert "compiled engine's cost analysis (--aot) for 1 of 2 cells, roofline model for 1 of 2 cells" in head([compiled, est])
