@@ -3,7 +3,7 @@
              lax.scan) w.r.t. its weights, one row of T tokens, dense vs blockwise attention;
   log-probs  gradient of the trainer's summed response log-probs (tiny-qwen3 widths, 1 layer, Qwen3's
              151,936-token vocabulary, full fine-tuning), one row of R response tokens, chunked
-             (LOGPROB_CHUNK positions) vs one pass.
+             (at most LOGPROB_BYTES of float32 logits per chunk) vs one pass.
 
     python bench/long_context_memory.py [--lengths 2048 4096 8192] [--responses 1024 2048 5120]
 """
@@ -37,19 +37,17 @@ def attention_temp(impl: str, T: int) -> float:
     return grad.lower(state, jax.ShapeDtypeStruct((1, T), jnp.int32)).compile().memory_analysis().temp_size_in_bytes
 
 
-def logprob_temp(R: int, chunk: int) -> float:
+def logprob_temp(R: int, budget: int | None) -> float:
+    """Temp bytes of the log-probs' gradient for one row of R response tokens, chunks of `budget` bytes of
+    logits (None: the trainer's LOGPROB_BYTES)."""
     cfg = dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=1)
-    trainer = Trainer(Decoder(cfg, rngs=nnx.Rngs(0)), StepConfig(route=(("solver", "shared"),), lora_scale=None),
-                      make_optimizer())
+    trainer = Trainer(Decoder(cfg, rngs=nnx.Rngs(0)), StepConfig(route=(("solver", "shared"),), lora_scale=None,
+                                                                 logprob_bytes=budget), make_optimizer())
     s = jax.ShapeDtypeStruct
     batch = RoleBatch(s((1, R + 16), jnp.int32), s((1,), jnp.int32), s((1, R), jnp.float32), s((1,), jnp.float32),
-                      s((1, R), jnp.float32))
-    saved, logprobs.LOGPROB_CHUNK = logprobs.LOGPROB_CHUNK, chunk
-    try:
-        grad = jax.jit(jax.grad(lambda p, b: jnp.sum(trainer.response_logprobs(p, b))))
-        return grad.lower(trainer.base_state, batch).compile().memory_analysis().temp_size_in_bytes
-    finally:
-        logprobs.LOGPROB_CHUNK = saved
+                      s((1, R), jnp.float32), s((1, R), jnp.float32), s((1,), jnp.float32))
+    grad = jax.jit(jax.grad(lambda p, b: jnp.sum(trainer.response_logprobs(p, b))))
+    return grad.lower(trainer.base_state, batch).compile().memory_analysis().temp_size_in_bytes
 
 
 def main():
@@ -62,10 +60,10 @@ def main():
     for T in a.lengths:
         print(f"| {T} | {attention_temp('dense', T) / MIB:.0f} | {attention_temp('blockwise', T) / MIB:.0f} |",
               flush=True)
-    print(f"\n| R | one pass MiB | chunked ({logprobs.LOGPROB_CHUNK}) MiB |\n|---|---|---|")
+    print(f"\n| R | one pass MiB | chunked ({logprobs.LOGPROB_BYTES >> 20} MiB of logits) MiB |\n|---|---|---|")
     for R in a.responses:
-        print(f"| {R} | {logprob_temp(R, R) / MIB:.0f} | {logprob_temp(R, logprobs.LOGPROB_CHUNK) / MIB:.0f} |",
-              flush=True)
+        one_pass = R * PRESETS["tiny-qwen3"].vocab_size * 4
+        print(f"| {R} | {logprob_temp(R, one_pass) / MIB:.0f} | {logprob_temp(R, None) / MIB:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

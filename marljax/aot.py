@@ -1,12 +1,12 @@
 """Ahead-of-time compile of a paper cell's train step and rollout engine for a TPU topology, on a host
 without one.
 
-`python -m marljax.matrix --aot v5e-8 [--cell NAME …]` builds, per cell, the trainer's jitted update
-(`marljax.rl.step.Trainer`) with the cell's model shapes (`nnx.eval_shape`: nothing allocated), its
-LoRA or full parameter sets, Adam states, mesh and sharding rules (`marljax.sharding`), and one
-micro-batch holding the cell's longest sample (`rows_per_chip` rows of it per data-parallel chip;
-every other role of the cell is present with one short row per chip, so the step holds every role's
-gradient), then lowers it with `jax.ShapeDtypeStruct` arguments that carry their shardings and
+`python -m marljax.matrix --aot v5e-8 [--cell NAME …]` compiles, per cell, the whole training iteration:
+the rollout engine (`compile_engine`) and two micro-batches of the update (`compile_cell`, shapes from
+`update_shapes`: one longest row per chip, and the most short rows the token budget admits), each with
+the cell's model shapes (`nnx.eval_shape`: nothing allocated), its LoRA or full parameter sets, Adam
+states, mesh and sharding rules (`marljax.sharding`). A program is lowered with `jax.ShapeDtypeStruct`
+arguments that carry their shardings and
 compiles it with libtpu's compile-only client for the topology. XLA's TPU compiler reports per chip:
   bytes    XLA's peak (`Program`): arguments, outputs and temporaries live at once (the donated params
            and optimizer state alias their outputs); temp is what the peak holds beyond arguments and outputs
@@ -35,7 +35,9 @@ TOPOLOGIES = {"v5e-8": "v5e:2x4", "v6e-8": "v6e:2x4", "v5p-8": "v5p:2x2x1"}
 # HBM it has with temporaries, so an out-of-memory program shrinks only part of a pool cut (measured on
 # a Qwen3-4B engine: 0.53 GiB fewer pages, 0.13 GiB less needed; then 7.7 MiB short of fitting).
 FIT_MARGIN = 0.02
-SHORT_ROW = 32  # tokens of the one row per chip each role other than the longest sample's holds
+# The short micro-batch's answer (`update_shapes`): with a 256-position log-prob chunk per row (the trainer
+# until 2026-12-07) it was the most logits per row, 40 rows per chip of a Qwen3-4B Eval-Opt cell: 5.8 GiB
+SHORT_RESPONSE = 256
 GiB = 1 << 30
 
 
@@ -80,15 +82,16 @@ class Program:
 
 @dataclasses.dataclass(frozen=True)
 class Compiled:
-    """One cell's compiled train step, per chip."""
+    """One compiled micro-batch of a cell's update, per chip."""
 
     cell: str
     accelerator: str
     mesh: tuple[int, int, int]
-    role: str  # the longest sample's role
-    rows: int  # global rows of the longest sample's role
-    length: int  # its padded length T
-    response: int  # its padded response length R
+    name: str  # "update/long" | "update/short" (`update_shapes`)
+    role: str  # the micro-batch's role
+    rows: int  # its global rows
+    length: int  # their padded length T
+    response: int  # their padded response length R
     program: Program  # per-chip bytes: XLA's peak, or what its out-of-memory message says is needed
     hbm_bytes: int
     flops: float  # compiled, per chip, one call
@@ -247,6 +250,9 @@ def _compile(traced) -> tuple[tuple[int, int, int, int], dict, str, int]:
     """Lower and compile a traced jitted call: its per-chip (argument, output, alias, temp) bytes, XLA's
     cost analysis, XLA's out-of-memory message ("" when it fits; temp is then the bytes it says it
     needs and the cost analysis is empty) and XLA's peak bytes (0 when out of memory)."""
+    import jax
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # a TPU program has no place in the CPU's cache
     try:
         compiled = traced.lower().compile()
     except Exception as e:  # XLA's RESOURCE_EXHAUSTED: the program needs more HBM than the chip has
@@ -254,6 +260,8 @@ def _compile(traced) -> tuple[tuple[int, int, int, int], dict, str, int]:
             raise
         oom = str(e).strip().splitlines()[0][:400]
         return (0, 0, 0, _oom_bytes(oom)), {}, oom, 0
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -278,16 +286,94 @@ def _abstract_model(cfg, devices, layers: int | None):
     return model_cfg, mesh, rules, nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
 
 
-def compile_cell(cell, cfg, accelerator: str, acc, *, rows_per_chip: int = 1, attention: str = "splash",
-                 logprob_chunk: int | None = None, layers: int | None = None,
+@dataclasses.dataclass(frozen=True)
+class UpdateShape:
+    """One micro-batch shape of a cell's update: `role` at `rows` global rows of `length` positions, its
+    response window `response`; every other role of the cell holds its gradient sums beside it."""
+
+    name: str  # "long" | "short"
+    role: str
+    rows: int
+    length: int
+    response: int
+
+
+def update_shapes(cell, budget: int, chips: int, *, length: int | None = None) -> dict[str, UpdateShape]:
+    """The two micro-batches that bound a cell's update under a token budget of `budget` packed positions per
+    data-parallel chip (`rl.micro_batch_tokens`; 0: one longest row) on `chips` such chips:
+      long   one longest sample per chip: the role of the longest stage prompt + the response cap;
+      short  the most rows the budget admits (`rl.step.micro_batches` packs `bucket_rows(n)` rows of the
+             longest length) of the shortest stage prompt + a `SHORT_RESPONSE`-token answer: many short
+             rows, the shape where rows, not positions, set the size (the log-probs' rows × positions).
+    `length` overrides the long row's T (tests)."""
+    from marljax.shapes import bucket, bucket_rows, length_bucket
+
+    r = cell.max_response
+    prompts = {role: [s.prompt for s in cell.stages() if s.role == role] for role in cell.roles}
+    long_role = max(cell.roles, key=lambda x: max(prompts[x]))
+    T_long = length or length_bucket(max(prompts[long_role]) + r + 1)
+    short_role = min(cell.roles, key=lambda x: min(prompts[x]))
+    T_short = length_bucket(min(prompts[short_role]) + SHORT_RESPONSE + 1)
+    total = (budget or T_long) * chips
+    n = max(1, total // T_short)
+    while n > 1 and (bucket_rows(n) * T_short > total or bucket_rows(n) % chips):
+        n -= 1
+    return {"long": UpdateShape("long", long_role, chips, T_long, min(bucket(r, 8), T_long - 1)),
+            "short": UpdateShape("short", short_role, max(bucket_rows(n), chips), T_short,
+                                 bucket(SHORT_RESPONSE, 8))}
+
+
+def compile_cell(cell, cfg, accelerator: str, acc, *, shape: str = "long", attention: str = "splash",
+                 logprob_bytes: int | None = None, layers: int | None = None,
                  length: int | None = None) -> Compiled:
-    """Compile `cell`'s (a `marljax.matrix.Cell`, with its config `cfg` and `acc` the
-    `marljax.matrix.Accelerator` named `accelerator`) train step for that accelerator's topology; see the
-    module docstring. `attention`: `rl.attention`; `logprob_chunk`: response positions per log-prob chunk
-    (None: the trainer's); `layers` / `length`: override the model's layer count and the longest
-    sample's length (for tests). The matrix's memory model of the same step is the caller's to add
-    (`model_arguments`, `model_temp`)."""
+    """Compile one micro-batch of `cell`'s update (a `marljax.matrix.Cell`, with its config `cfg` and `acc`
+    the `marljax.matrix.Accelerator` named `accelerator`) for that accelerator's topology: the trainer's
+    jitted forward/backward of one role's micro-batch (`Trainer._role_part`, what `accumulated_update`
+    runs per micro-batch) at `update_shapes(...)[shape]`, with everything the step keeps on the chips
+    during that call as live arguments (kept and returned): the frozen base, the whole `TrainState`
+    (every set's parameters, Adam moments, damping EMAs) and the gradient sums of every role (the
+    others' finished, this role's running total) — XLA's TPU compiler spends the HBM it is not told about
+    on temporaries. `attention`: `rl.attention`; `logprob_bytes`: the log-prob chunks' budget (None: the
+    trainer's); `layers` / `length`: override the layer count and the long row's length (tests). The
+    matrix's memory model of the same step is the caller's to add (`model_arguments`, `model_temp`)."""
     devices = topology_devices(accelerator)
+    import jax
+    import jax.numpy as jnp
+
+    from marljax import sharding
+
+    trainer, model_cfg, lora_cfg, mesh, rules, state, p_sh = _abstract_trainer(cfg, devices, layers, attention,
+                                                                                logprob_bytes)
+    data, fsdp, tensor = (mesh.shape[a] for a in sharding.MESH_AXES)
+    chips = data * fsdp
+    sh = update_shapes(cell, cfg.rl.micro_batch_tokens, chips, length=length)[shape]
+    batch = _abstract_batch(mesh, rules, sh.rows, sh.length, sh.response)
+    set_of = trainer.cfg.set_of
+    # every role's gradient sums, laid out like its set (f32, as `RolePart.grad`): the role's own running
+    # total and the others' finished sums
+    sums = {r: _abstract(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                                      state.params[set_of(r)]), p_sh[set_of(r)]) for r in cell.roles}
+    base = _abstract(trainer.base_state, sharding.param_shardings(trainer.base_state, mesh, rules))
+    part = jax.jit(lambda base, state, sums, batch: (
+        trainer._role_part(base, state.params[set_of(sh.role)], batch, role=sh.role, recompute_old=False),
+        state, sums), donate_argnums=(1, 2), keep_unused=True)
+    t0 = time.perf_counter()
+    with sharding.use_mesh(mesh, rules):
+        traced = part.trace(base, state, sums, batch)
+        program, cost = _program(*_compile(traced))
+    compile_s = time.perf_counter() - t0
+    return Compiled(cell=cell.name, accelerator=accelerator, mesh=(data, fsdp, tensor), name=f"update/{shape}",
+                    role=sh.role, rows=sh.rows, length=sh.length, response=sh.response, program=program,
+                    hbm_bytes=int(acc.hbm_gb * GiB), flops=traced_flops(traced.jaxpr) / (data * fsdp * tensor),
+                    bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+                    model_flops=_model_flops(model_cfg, lora_cfg, sh) / chips,
+                    peak_flops=acc.tflops * 1e12, hbm_bandwidth=acc.hbm_gbs * 1e9, compile_s=compile_s)
+
+
+def _abstract_trainer(cfg, devices, layers, attention, logprob_bytes):
+    """The trainer `train.Run` builds for `cfg` (with `attention` and `logprob_bytes`), as abstract shapes on
+    `devices`: (trainer, model config, LoRA config, mesh, rules, abstract `TrainState` with its shardings,
+    the parameter shardings per set)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -297,27 +383,20 @@ def compile_cell(cell, cfg, accelerator: str, acc, *, rows_per_chip: int = 1, at
     from marljax.models.lora import init_lora
     from marljax.rl import policy_map as pm
     from marljax.rl.state import TrainState
-    from marljax.rl.step import RoleBatch, Trainer
-    from marljax.shapes import bucket, length_bucket
+    from marljax.rl.step import Trainer
 
     model_cfg, mesh, rules, model = _abstract_model(cfg, devices, layers)
-    data, fsdp, tensor = (mesh.shape[a] for a in sharding.MESH_AXES)
-
-    # The step as train.Run builds it for this config, with the attention and log-prob chunk asked for.
     cfg = resolve(cfg)
     workflow = cfg.workflow.build()
     policy = pm.from_config(cfg.policy, workflow.roles)
     lora_cfg = cfg.lora.build()
     step_cfg = dataclasses.replace(
         cfg.rl.step(dict(policy.route), workflow.same_role_counts(), cfg.sampling.temperature,
-                    lora_cfg.scale if lora_cfg else None),
-        attention=attention, **({} if logprob_chunk is None else {"logprob_chunk": logprob_chunk}))
+                    lora_cfg.scale if lora_cfg else None), attention=attention, logprob_bytes=logprob_bytes)
     optimizer = cfg.optim.build()
     if lora_cfg is not None:
-        params = {s: jax.eval_shape(lambda: init_lora(model_cfg, lora_cfg, jax.random.key(0)))
-                  for s in policy.sets}
-    else:
-        # full fine-tuning trains float32 master weights (models.decoder.trainable_params)
+        params = {s: jax.eval_shape(lambda: init_lora(model_cfg, lora_cfg, jax.random.key(0))) for s in policy.sets}
+    else:  # full fine-tuning trains float32 master weights (models.decoder.trainable_params)
         params = {s: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), nnx.state(model, nnx.Param))
                   for s in policy.sets}
     p_sh = {s: sharding.trainable_shardings(p, model, mesh, rules, replicate_lora=cfg.mesh.lora == "replicated")
@@ -325,75 +404,53 @@ def compile_cell(cell, cfg, accelerator: str, acc, *, rows_per_chip: int = 1, at
     o_sh = {s: sharding.optimizer_shardings(optimizer, p, p_sh[s], mesh) for s, p in params.items()}
     e_sh = {r: p_sh[s] for r, s in policy.route.items()} if step_cfg.damping_lambda > 0 else {}
     replicated = sharding.replicated(mesh)
-    state_sh = TrainState(p_sh, o_sh, e_sh, replicated)
-    trainer = Trainer(model, step_cfg, optimizer, out_shardings=(state_sh, replicated))
-
-    # One micro-batch: the longest sample's role at `rows_per_chip` rows per data-parallel chip, every
-    # other role one short row per chip.
-    r = cell.max_response
-    longest = {role: max(s.prompt for s in cell.stages() if s.role == role) for role in cell.roles}
-    role = max(cell.roles, key=lambda x: longest[x])
-    chips = data * fsdp
-    T_long = length or length_bucket(longest[role] + r + 1)
-    R_long = min(bucket(r, 8), T_long - 1)
-
-    def role_batch(rows, T, R):
-        spec = lambda *dims: jax.sharding.NamedSharding(  # noqa: E731
-            mesh, sharding.logical_spec(("batch",) + (None,) * (len(dims) - 1), dims, mesh, rules))
-        arr = lambda dt, *dims: jax.ShapeDtypeStruct(dims, dt, sharding=spec(*dims))  # noqa: E731
-        return RoleBatch(arr(jnp.int32, rows, T), arr(jnp.int32, rows), arr(jnp.float32, rows, R),
-                         arr(jnp.float32, rows), arr(jnp.float32, rows, R), arr(jnp.float32, rows, R),
-                         arr(jnp.float32, rows))
-
-    batches = {x: role_batch(rows_per_chip * chips, T_long, R_long) if x == role
-               else role_batch(chips, SHORT_ROW, SHORT_ROW // 2) for x in cell.roles}
+    trainer = Trainer(model, step_cfg, optimizer, out_shardings=(TrainState(p_sh, o_sh, e_sh, replicated), replicated))
     state = TrainState(params=_abstract(params, p_sh),
                        opt_state=_abstract({s: jax.eval_shape(optimizer.init, p) for s, p in params.items()}, o_sh),
                        ema=_abstract({x: params[policy.route[x]] for x in e_sh}, e_sh),
                        step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
-    base = _abstract(trainer.base_state, sharding.param_shardings(trainer.base_state, mesh, rules))
-    lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
-
-    t0 = time.perf_counter()
-    with sharding.use_mesh(mesh, rules):
-        traced = trainer._update_jit.trace(base, state, batches, lr, recompute_old=False)
-        program, cost = _program(*_compile(traced))
-    compile_s = time.perf_counter() - t0
-    accessed = float(cost.get("bytes accessed", 0.0))
-    flops = traced_flops(traced.jaxpr) / (data * fsdp * tensor)
-    return Compiled(cell=cell.name, accelerator=accelerator, mesh=(data, fsdp, tensor),
-                    role=role, rows=rows_per_chip * chips, length=T_long, response=R_long, program=program,
-                    hbm_bytes=int(acc.hbm_gb * GiB), flops=flops, bytes_accessed=accessed,
-                    model_flops=_model_flops(model_cfg, lora_cfg, batches) / chips,
-                    peak_flops=acc.tflops * 1e12, hbm_bandwidth=acc.hbm_gbs * 1e9, compile_s=compile_s)
+    return trainer, model_cfg, lora_cfg, mesh, rules, state, p_sh
 
 
-def _model_flops(model_cfg, lora_cfg, batches) -> float:
+def _abstract_batch(mesh, rules, rows: int, T: int, R: int):
+    """A `RoleBatch` of `rows` × `T` positions (response window R), rows split like the trainer's batch."""
+    import jax
+    import jax.numpy as jnp
+
+    from marljax import sharding
+    from marljax.rl.step import RoleBatch
+
+    def arr(dtype, *dims):
+        spec = sharding.logical_spec(("batch",) + (None,) * (len(dims) - 1), dims, mesh, rules)
+        return jax.ShapeDtypeStruct(dims, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+
+    return RoleBatch(arr(jnp.int32, rows, T), arr(jnp.int32, rows), arr(jnp.float32, rows, R),
+                     arr(jnp.float32, rows), arr(jnp.float32, rows, R), arr(jnp.float32, rows, R),
+                     arr(jnp.float32, rows))
+
+
+def _model_flops(model_cfg, lora_cfg, shape: UpdateShape) -> float:
     """bench/flops.py's train FLOPs of the micro-batch's tokens (all rows real: prompt T − 1 − R, response R)."""
     from bench.flops import train_flops  # the repository's FLOP counter (run from a checkout)
-    prompts, responses = [], []
-    for b in batches.values():
-        rows, t = b.tokens_bt.shape
-        r = b.resp_mask_br.shape[1]
-        prompts += [t - 1 - r] * rows
-        responses += [r] * rows
     kw = {} if lora_cfg is None else {"lora_rank": lora_cfg.rank, "lora_layers": lora_cfg.layers}
-    return float(train_flops(model_cfg, prompts, responses, **kw))
+    return float(train_flops(model_cfg, [shape.length - 1 - shape.response] * shape.rows,
+                             [shape.response] * shape.rows, **kw))
 
 
 def table(results: list[Compiled]) -> str:
     gib = lambda x: f"{x / GiB:7.2f}"  # noqa: E731
-    head = (f"{'cell':38} mesh(d,f,t)  role          rows      T     R   args    out  alias   temp   peak"
-            f"    hbm fits m.args m.temp  TFLOP  model  ratio  roof_s  compile_s")
-    lines = [f"# compiled train step per chip (GiB); one micro-batch: the cell's longest sample, its rows "
-             f"per data-parallel chip; m.args/m.temp: marljax.matrix's memory model of the same step; TFLOP per "
-             f"chip per call (traced; model: bench/flops.py), roof_s: max(TFLOP / peak, XLA's bytes accessed / "
-             f"HBM bandwidth)", head]
+    head = (f"{'cell':38} {'program':12} mesh(d,f,t)  role          rows      T     R   args    out  alias   temp"
+            f"   peak    hbm fits m.args m.temp  TFLOP  model  ratio  roof_s  compile_s")
+    lines = [f"# compiled update micro-batches per chip (GiB): one role's forward/backward with the whole train "
+             f"state and every role's gradient sums live; long: one longest sample per data-parallel chip; short: "
+             f"the most rows of a {SHORT_RESPONSE}-token answer the token budget admits; m.args/m.temp: "
+             f"marljax.matrix's memory model of the same micro-batch; TFLOP per chip per call (traced; model: "
+             f"bench/flops.py), roof_s: max(TFLOP / peak, XLA's bytes accessed / HBM bandwidth)", head]
     for c in results:
         p = c.program
-        lines.append(f"{c.cell:38} {str(c.mesh):12} {c.role:12} {c.rows:5d} {c.length:6d} {c.response:5d} "
-                     f"{gib(p.argument_bytes)}{gib(p.output_bytes)}{gib(p.alias_bytes)}{gib(c.temp_bytes)}"
-                     f"{gib(c.total_bytes)}{gib(c.hbm_bytes)} {'yes' if c.fits else 'NO':>4}"
+        lines.append(f"{c.cell:38} {c.name:12} {str(c.mesh):12} {c.role:12} {c.rows:5d} {c.length:6d} "
+                     f"{c.response:5d} {gib(p.argument_bytes)}{gib(p.output_bytes)}{gib(p.alias_bytes)}"
+                     f"{gib(c.temp_bytes)}{gib(c.total_bytes)}{gib(c.hbm_bytes)} {'yes' if c.fits else 'NO':>4}"
                      f"{gib(c.model_arguments)}{gib(c.model_temp)} "
                      f"{c.flops / 1e12:6.1f} {c.model_flops / 1e12:6.1f} {c.recompute:6.2f} "
                      f"{c.roofline_s:7.2f} {c.compile_s:10.1f}" + (f"  OOM: {p.oom}" if p.oom else ""))

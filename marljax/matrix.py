@@ -2,6 +2,7 @@
 step-time estimate for an accelerator, the mesh each cell would use, and a plan to run them.
 
     python -m marljax.matrix --dry-run [--accelerator v5e-8|v6e-8|v5p-8|v4-8|h100|h200|cpu] [--slices K]
+        [--length-fraction F | --lengths RUN_DIR]   # rollout hours also at a stated length distribution
     python -m marljax.matrix [--accelerator …] [--out DIR]          # DIR/<cell>.yaml + DIR/plan.md
     python -m marljax.matrix --cell voting-math-qwen3-1.7b-isolated --out DIR   # prints the YAML path
     python -m marljax.matrix --aot v5e-8 [--cell NAME …] [--aot-part both|train|engine]
@@ -20,19 +21,23 @@ The estimates are an explicit model, per chip, stated so they can be checked:
           (`sampling.layer_weights`), whichever is larger (training and sampling alternate). The KV
           budget left over becomes `sampling.max_cache_tokens`. Activations assume what the paper's
           lengths need from a trainer: micro-batches of one row per chip, layer rematerialisation,
-          a flash-style attention (no T² scores) and log-probs in the trainer's chunks (LOGPROB_CHUNK).
+          a flash-style attention (no T² scores) and log-probs in chunks of at most LOGPROB_BYTES of logits.
   time    roofline with efficiencies: decode step = max(bytes / (HBM × 0.6), FLOPs / (peak × 0.4))
           + the FSDP weight all-gather over ICI, on the rollout engine (`marljax.engine`, sized by
           `engine_plan`): continuous batching, so decode steps follow the real tokens — every response
-          has `--response-fill` × the cap (1: 5,120 math / 2,048 code, the upper bound), a step
-          advances every slot in flight and reads their KV pages, a finished sequence's slot is refilled
-          at once: each stage takes max(its tokens / the sequences in flight, one response) steps, the
+          has its role's fraction of the cap (`Lengths`: 1, every response at its 5,120 math / 2,048
+          code cap, is the upper bound the table always shows; `--length-fraction F` or a run's measured
+          lengths, `--lengths RUN_DIR`, price it again beside), a step advances every slot in flight and
+          reads their KV pages (or takes a compiled engine's step time, `estimate(decode_step_s=…)`), a
+          finished sequence's slot is refilled at once: each stage takes max(its tokens / the sequences
+          in flight, one response) steps, the
           stages one after another (an upper bound for episodes that advance on their own); prefill
           once per distinct prompt (a GRPO group's rollouts and a stage's calls share the problem's
           prompt). The engine is priced with one pool per batch rank (`engine_plan`). Every stage runs its
           full iteration count with prompts at most the paper's cap; train FLOPs = 8·N·tokens
           (forward, recompute, backward to activations; LoRA has no base weight gradient) on the
-          padded rows `rl.step.pack` builds, at 40% of peak. Upper bounds at fill 1.
+          padded rows `rl.step.pack` builds, at 40% of peak. Upper bounds at the caps (prompts are
+          priced with earlier responses at their caps at any length distribution).
 The mesh replicates the frozen base over `data` when it takes ≤ 25% of HBM, else shards it over the
 fewest `fsdp` ranks that bring it there. The plan runs cells longest-first on `--slices` slices.
 """
@@ -40,16 +45,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import pathlib
 import sys
 
 import yaml
 
-from marljax.config import Config, resolve, to_dict
+from marljax.config import Config, load_config, resolve, to_dict
 from marljax.engine.engine import PREFILL_CHUNK_MIN, prefill_chunk
 from marljax.models.decoder import LINEAR_AXES, ModelConfig
-from marljax.models.logprobs import LOGPROB_CHUNK
+from marljax.models.logprobs import LOGPROB_BYTES
 from marljax.models.presets import PRESETS
 from marljax.policy_sampler import PAGE_SIZE
 from marljax.rl.policy_map import from_config
@@ -78,7 +84,6 @@ STRATEGY_TOKENS = 128
 # Model efficiencies and budgets (see the module docstring).
 MFU, HBM_EFFICIENCY, HBM_USABLE, BASE_BUDGET = 0.4, 0.6, 0.9, 0.25
 LORA_BYTES = 4  # adapters, their gradients and Adam moments are float32
-RESPONSE_FILL = 1.0  # mean response length / the cap: 1 prices every response at the cap (upper bound)
 PREFILL_TOKENS_PER_RANK = 8192  # positions one rank's prefill call computes (`sampling.prefill_tokens`)
 
 
@@ -165,6 +170,96 @@ def cells() -> list[Cell]:
     return out + [Cell("single", t, m, "shared") for t in TASKS for m in MODELS]
 
 
+# ---- response-length distributions ----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+    """A response-length distribution for the rollout time: per role, the mean response as a fraction of
+    the cell's cap (`fractions`: (role, fraction) pairs), `default` for a role not listed; `label` names
+    it in the table's header. The memory model and the engine stay sized for the caps either way."""
+
+    fractions: tuple[tuple[str, float], ...] = ()
+    default: float = 1.0
+    label: str = "at the caps"
+
+    def fill(self, role: str) -> float:
+        return dict(self.fractions).get(role, self.default)
+
+    def describe(self, roles) -> str:
+        """The label, naming the `roles` that take `default` because the distribution does not list them."""
+        missing = sorted(set(roles) - dict(self.fractions).keys())
+        if not self.fractions or not missing:
+            return self.label
+        return f"{self.label}; not in the run, so at the mean of its roles ({self.default:.2f}): {', '.join(missing)}"
+
+
+CAPS = Lengths()  # every response at its cap: the upper bound
+
+
+def length_fraction(fraction: float) -> Lengths:
+    """Every response at `fraction` of its cap (`--length-fraction`)."""
+    return Lengths(default=fraction, label="at the caps" if fraction == 1 else f"at {fraction:g} of the caps")
+
+
+class LengthsError(ValueError):
+    """A run directory `--lengths` cannot read; the message names the file and the fix."""
+
+
+_RUN_DIR = "pass the directory of a run that `python -m marljax.train` wrote (its config.yaml and metrics.jsonl)"
+
+
+def run_lengths(run_dir: str | pathlib.Path) -> Lengths:
+    """The length distribution of a run (`--lengths`): per role, the mean over every training record of
+    its metrics.jsonl (all steps, not the last few: the matrix prices whole runs and lengths drift over
+    training; eval records, `eval/…`, left out) of `role/<r>/length_mean` over the run's response cap
+    (`sampling.max_new_tokens` of its config.yaml, resolved as `config.resolve` does); a role the run
+    lacks takes the mean of its roles' fractions. The label also gives each role's largest step mean."""
+    d = pathlib.Path(run_dir)
+    cap = _run_cap(d / "config.yaml")
+    steps, means = _length_means(d / "metrics.jsonl")
+    fractions = {r: sum(v) / len(v) / cap for r, v in means.items()}
+    roles = ", ".join(f"{r} {f:.2f} of its cap (its longest step's mean {max(means[r]) / cap:.2f})"
+                      for r, f in fractions.items())
+    return Lengths(tuple(fractions.items()), sum(fractions.values()) / len(fractions),
+                   f"at the lengths of {run_dir} (steps {min(steps)}–{max(steps)}: the mean of each training step's "
+                   f"role/<r>/length_mean over the run's cap, {cap} tokens; per role: {roles})")
+
+
+def _run_cap(path: pathlib.Path) -> int:
+    """The run's response cap: its config's `sampling.max_new_tokens`, resolved."""
+    if not path.is_file():
+        raise LengthsError(f"--lengths: {path} does not exist; {_RUN_DIR}")
+    try:
+        return resolve(load_config(str(path))).sampling.max_new_tokens
+    except (OSError, yaml.YAMLError, ValueError) as e:  # ConfigError is a ValueError
+        raise LengthsError(f"--lengths: cannot read the run's config {path} ({e}); {_RUN_DIR}") from None
+
+
+def _length_means(path: pathlib.Path) -> tuple[list[int], dict[str, list[float]]]:
+    """The steps of `path`'s training records with a length, and per role each such record's length_mean."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise LengthsError(f"--lengths: cannot read {path} ({e.strerror}); {_RUN_DIR}") from None
+    steps, means = [], {}
+    for n, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line) if line.strip() else {}
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict):
+            raise LengthsError(f"--lengths: {path} line {n} is not a JSON record (one a line); {_RUN_DIR}")
+        found = {k.split("/")[1]: v for k, v in record.items() if k.startswith("role/")
+                 and k.endswith("/length_mean") and k.count("/") == 2 and isinstance(v, (int, float))}
+        if found:
+            steps.append(record.get("step", n))
+            for role, v in found.items():
+                means.setdefault(role, []).append(float(v))
+    if not means:
+        raise LengthsError(f"--lengths: {path} has no training record with role/<r>/length_mean; pass a run "
+                           "that has trained at least one step (or price with --length-fraction F)")
+    return steps, means
+
+
 # ---- sizes ----------------------------------------------------------------------------------------
 def dtype_bytes(dtype: str) -> int:
     return {"float32": 4, "bfloat16": 2}[dtype]
@@ -244,7 +339,8 @@ def memory(cfg: ModelConfig, *, dtype: str, n_sets: int, n_roles: int, rank: int
     m = rows_chip(train_rows)
     residuals = cfg.num_layers * m * train_len * d * b
     layer = 2 * m * train_len * (4 * d + 2 * (h + 2 * k) * dh + 3 * f) * b / tensor
-    logits = 3 * m * min(response_len, LOGPROB_CHUNK) * cfg.vocab_size * 4 / tensor
+    # float32 log-prob chunks (marljax.models.logprobs): at most the budget, or one position of every row
+    logits = 3 * min(m * response_len * cfg.vocab_size * 4, max(LOGPROB_BYTES, m * cfg.vocab_size * 4)) / tensor
     return Memory(
         base=cfg.num_params() * b / shard,
         lora=n_sets * lora_set,
@@ -268,6 +364,10 @@ def choose_mesh(cfg: ModelConfig, acc: Accelerator) -> tuple[int, int, int]:
     return acc.chips // fsdp, fsdp, 1
 
 
+DECODE_MODEL = "roofline model"
+DECODE_AOT = "compiled engine's cost analysis (--aot)"
+
+
 @dataclasses.dataclass(frozen=True)
 class Estimate:
     cell: Cell
@@ -276,15 +376,28 @@ class Estimate:
     max_cache_tokens: int
     fits: bool
     engine: EnginePlan
-    sample_s: float  # per training step
+    sample_s: float  # per training step, every response at its cap (the upper bound)
     train_s: float
-    eval_s: float  # one evaluation
+    eval_s: float  # one evaluation, at the caps
     steps: int
+    lengths: Lengths  # the stated length distribution of `sample_at_s` and `eval_at_s` (`CAPS`: none stated)
+    sample_at_s: float
+    eval_at_s: float
+    decode_step: str  # where the decode step time came from: DECODE_MODEL or DECODE_AOT
+
+    def _hours(self, sample_s: float, eval_s: float) -> float:
+        evals = self.steps // EVAL_EVERY + 1
+        return (self.steps * (sample_s + self.train_s) + evals * eval_s) / 3600
 
     @property
     def run_hours(self) -> float:
-        evals = self.steps // EVAL_EVERY + 1
-        return (self.steps * (self.sample_s + self.train_s) + evals * self.eval_s) / 3600
+        """The run's hours at the caps: the upper bound."""
+        return self._hours(self.sample_s, self.eval_s)
+
+    @property
+    def run_hours_at(self) -> float:
+        """The run's hours at the stated length distribution (`lengths`)."""
+        return self._hours(self.sample_at_s, self.eval_at_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,6 +416,24 @@ class EnginePlan:
     pool_bytes: float  # KV pool per chip
 
 
+# Engine pools that `--aot --aot-record` found to fit where the memory model's plan did not: {accelerator: {cell:
+# pages per rank}}; `engine_plan` plans at most these (and the cells' configs for that accelerator with it).
+POOLS_FILE = pathlib.Path(__file__).resolve().parent.parent / "configs" / "aot_pools.yaml"
+
+
+def recorded_pools(path: pathlib.Path = POOLS_FILE) -> dict[str, dict[str, int]]:
+    return (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
+
+
+def record_pool(accelerator: str, cell: str, pages: int, path: pathlib.Path = POOLS_FILE) -> None:
+    """Record that `cell`'s engine fits `accelerator` with `pages` pages per rank (its AOT refit)."""
+    pools = recorded_pools(path)
+    pools.setdefault(accelerator, {})[cell] = int(pages)
+    path.write_text("# engine pools (pages per batch rank) that `python -m marljax.matrix --aot TOPOLOGY --aot-record`"
+                    " compiled to fit\n# where the memory model planned more; marljax.matrix.engine_plan plans at "
+                    "most these\n" + yaml.safe_dump(pools, sort_keys=True))
+
+
 def engine_plan(cell: Cell, cfg: ModelConfig, acc: Accelerator, mesh: tuple[int, int, int],
                 max_cache_tokens: int) -> EnginePlan:
     """How many pages and slots the cell's engine needs, from the rollout plan and the memory model.
@@ -314,11 +445,13 @@ def engine_plan(cell: Cell, cfg: ModelConfig, acc: Accelerator, mesh: tuple[int,
     its worst case (its prompt + the response cap; shared prompt pages not counted here: an upper
     bound), so slots per rank = min(samples in flight / ranks, the sequences of the cell's shortest
     stage the pool holds); the longest stage runs fewer at a time (`stage_slots`). The engine fits when
-    its pool holds one sequence of the longest stage."""
+    its pool holds one sequence of the longest stage. A pool the AOT compile recorded for the cell on `acc`
+    (`POOLS_FILE`) caps the pages."""
     data, fsdp, tensor = mesh
     ranks = data * fsdp
     ps = PAGE_SIZE  # the sampler's engine pages
     pages = 1 + max_cache_tokens // ranks // ps
+    pages = min(pages, recorded_pools().get(acc.name, {}).get(cell.name, pages))
     in_flight = PROBLEMS * ROLLOUTS * max(s.calls for s in cell.stages())
     shortest = min(s.prompt for s in cell.stages()) + cell.max_response
     slots = min(-(-in_flight // ranks), (pages - 1) // -(-shortest // ps))
@@ -337,10 +470,13 @@ def stage_slots(plan: EnginePlan, stage: Stage, response: int) -> int:
 
 
 def _sampling_seconds(cell: Cell, cfg: ModelConfig, acc: Accelerator, mesh, plan: EnginePlan, episodes: int,
-                      group: int, fill: float) -> float:
+                      group: int, lengths: Lengths, decode_step_s: float | None = None) -> float:
     """Rollout time of `episodes` episodes on the cell's engine (see the module docstring); `group`:
-    episodes that share the first stage's prompt (the GRPO group), `fill`: mean response / the cap.
-    Each stage's calls take max(their tokens / the sequences in flight, one response) decode steps."""
+    episodes that share the first stage's prompt (the GRPO group), `lengths`: each stage's mean response
+    as a fraction of the cap, by the stage's role. Each stage's calls take max(their tokens / the
+    sequences in flight, one response) decode steps, each the roofline model's step at the stage's rows
+    and context, or `decode_step_s` where given (a compiled engine's step, `aot.CompiledEngine.step_s`:
+    its slots reading its whole pool), plus the FSDP all-gather either way."""
     data, fsdp, tensor = mesh
     b = dtype_bytes(acc.dtype)
     kv_tensor = tensor if cfg.num_kv_heads % tensor == 0 else 1
@@ -348,9 +484,9 @@ def _sampling_seconds(cell: Cell, cfg: ModelConfig, acc: Accelerator, mesh, plan
     gather = (fsdp - 1) / fsdp * cfg.num_params() * b / tensor / (acc.ici_gbs * 1e9)
     n_matmul = matmul_params(cfg)
     attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # FLOPs per query per key position
-    r = fill * cell.max_response
     total, prefill_flops = 0.0, 0.0
     for i, st in enumerate(cell.stages()):
+        r = lengths.fill(st.role) * cell.max_response
         calls = episodes * st.calls
         slots = stage_slots(plan, st, cell.max_response)
         steps = max(calls * r / (slots * plan.ranks), r)
@@ -358,8 +494,8 @@ def _sampling_seconds(cell: Cell, cfg: ModelConfig, acc: Accelerator, mesh, plan
         ctx = st.prompt + r / 2  # keys a step reads per sequence, on average
         step_bytes = weights + rows_chip * ctx * kv_bytes_per_token(cfg, acc.dtype) / kv_tensor
         step_flops = rows_chip * (2 * n_matmul + attn * ctx) / tensor
-        total += steps * (max(step_bytes / (acc.hbm_gbs * 1e9 * HBM_EFFICIENCY),
-                              step_flops / (acc.tflops * 1e12 * MFU)) + gather)
+        step_s = max(step_bytes / (acc.hbm_gbs * 1e9 * HBM_EFFICIENCY), step_flops / (acc.tflops * 1e12 * MFU))
+        total += steps * ((step_s if decode_step_s is None else decode_step_s) + gather)
         distinct = episodes // group if i == 0 else calls  # the first stage's calls read the problem's prompt
         prefill_flops += distinct * st.prompt * (2 * n_matmul + attn * st.prompt / 2)
     return total + prefill_flops / (acc.chips * acc.tflops * 1e12 * MFU)
@@ -393,7 +529,11 @@ def longest_row(cell: Cell) -> int:
     return max(length_bucket(s.prompt + cell.max_response + 1) for s in cell.stages())
 
 
-def estimate(cell: Cell, acc: Accelerator, steps: int = STEPS, response_fill: float = RESPONSE_FILL) -> Estimate:
+def estimate(cell: Cell, acc: Accelerator, steps: int = STEPS, lengths: Lengths = CAPS,
+             decode_step_s: float | None = None) -> Estimate:
+    """The cell's memory, engine and times on `acc`: the rollout at the caps and at `lengths`;
+    `decode_step_s`: a compiled engine's decode step time (`aot.CompiledEngine.step_s`) in place of the
+    roofline model's (see `_sampling_seconds`)."""
     cfg = PRESETS[cell.model]
     mesh = choose_mesh(cfg, acc)
     data, fsdp, tensor = mesh
@@ -417,13 +557,16 @@ def estimate(cell: Cell, acc: Accelerator, steps: int = STEPS, response_fill: fl
     plan = engine_plan(cell, cfg, acc, mesh, max_cache_tokens)
     engine_fits = plan.pages - 1 >= -(-plan.context // plan.page_size)
     fits = fits and engine_fits
+
+    def rollout(episodes: int, group: int, at: Lengths) -> float:
+        return _sampling_seconds(cell, cfg, acc, mesh, plan, episodes, group, at,
+                                 decode_step_s) if engine_fits else math.inf
     return Estimate(cell=cell, mesh=mesh, memory=mem, max_cache_tokens=max_cache_tokens, fits=fits, engine=plan,
-                    sample_s=_sampling_seconds(cell, cfg, acc, mesh, plan, PROBLEMS * ROLLOUTS, ROLLOUTS,
-                                               response_fill) if engine_fits else math.inf,
-                    train_s=_train_seconds(cell, cfg, acc),
-                    eval_s=_sampling_seconds(cell, cfg, acc, mesh, plan, EVAL_N[cell.task], 1, response_fill)
-                    if engine_fits else math.inf,
-                    steps=steps)
+                    sample_s=rollout(PROBLEMS * ROLLOUTS, ROLLOUTS, CAPS), train_s=_train_seconds(cell, cfg, acc),
+                    eval_s=rollout(EVAL_N[cell.task], 1, CAPS), steps=steps, lengths=lengths,
+                    sample_at_s=rollout(PROBLEMS * ROLLOUTS, ROLLOUTS, lengths),
+                    eval_at_s=rollout(EVAL_N[cell.task], 1, lengths),
+                    decode_step=DECODE_MODEL if decode_step_s is None else DECODE_AOT)
 
 
 # ---- configs and plan -----------------------------------------------------------------------------
@@ -463,15 +606,24 @@ def plan(estimates: list[Estimate], slices: int) -> dict[str, int]:
 
 
 def table(estimates: list[Estimate], acc: Accelerator, slices: int) -> str:
+    """One row per cell: memory, mesh, engine, and the rollout and run times at the caps (`sample_s`,
+    `run_h`: the upper bound) and at the estimates' stated length distribution (`@L`); the plan's slices
+    are the caps' (longest first), its wall-clock given at both."""
     where = plan(estimates, slices)
     gb = lambda x: f"{x / 1e9:6.2f}"  # noqa: E731
+    sources = {s: sum(e.decode_step == s for e in estimates) for s in dict.fromkeys(e.decode_step for e in estimates)}
+    decode = next(iter(sources)) if len(sources) == 1 else ", ".join(f"{s} for {n} of {len(estimates)} cells"
+                                                                        for s, n in sources.items())
+    at = estimates[0].lengths.describe({r for e in estimates for r in e.cell.roles})
     head = (f"{'cell':38} sets mesh(d,f,t)  base   lora    opt  grads    act     kv  rollw   peak  fits "
-            f"cache_tok    slots  sample_s train_s  run_h slice")
+            f"cache_tok    slots  sample_s train_s  run_h sample_s@L run_h@L slice")
     lines = [f"# accelerator {acc.name}: {acc.chips} chips × {acc.hbm_gb} GB HBM, {acc.tflops} TFLOP/s, "
              f"{acc.hbm_gbs} GB/s HBM, {acc.ici_gbs} GB/s ICI; {acc.dtype} base; memory in GB per chip "
              f"(rollw: the sampler's merged per-layer weights); slots: the rollout engine's batch ranks × "
-             f"decode slots per rank; times are roofline upper bounds (MFU {MFU}, HBM efficiency "
-             f"{HBM_EFFICIENCY})", head]
+             f"decode slots per rank; times are roofline estimates (MFU {MFU}, HBM efficiency "
+             f"{HBM_EFFICIENCY})",
+             f"# decode step: {decode}; sample_s, run_h: every response at its cap (the upper bound); "
+             f"sample_s@L, run_h@L: L = {at}", head]
     for e in estimates:
         m = e.memory
         lines.append(f"{e.cell.name:38} {e.cell.n_sets:4d} {str(e.mesh):12} {gb(m.base)} {gb(m.lora)} "
@@ -479,11 +631,14 @@ def table(estimates: list[Estimate], acc: Accelerator, slices: int) -> str:
                      f"{gb(m.peak)} "
                      f"{'yes' if e.fits else 'NO':>4} {e.max_cache_tokens:10d} "
                      f"{f'{e.engine.ranks}×{e.engine.slots}':>8} {e.sample_s:9.0f} "
-                     f"{e.train_s:7.0f} {e.run_hours:6.1f} {where[e.cell.name]:5d}")
+                     f"{e.train_s:7.0f} {e.run_hours:6.1f} {e.sample_at_s:10.0f} {e.run_hours_at:7.1f} "
+                     f"{where[e.cell.name]:5d}")
     per_slice = [sum(e.run_hours for e in estimates if where[e.cell.name] == i) for i in range(slices)]
+    at_slice = [sum(e.run_hours_at for e in estimates if where[e.cell.name] == i) for i in range(slices)]
     lines.append(f"# plan: {len(estimates)} cells on {slices} slice(s) "
                  f"({'in parallel, ' if slices > 1 else 'serially, '}longest first): wall-clock ≈ "
-                 f"{max(per_slice):.0f} h; per slice {', '.join(f'{h:.0f} h' for h in per_slice)}")
+                 f"{max(per_slice):.0f} h at the caps, {max(at_slice):.0f} h at L; per slice "
+                 f"{', '.join(f'{h:.0f} h' for h in per_slice)} (at L: {', '.join(f'{h:.0f} h' for h in at_slice)})")
     return "\n".join(lines)
 
 
@@ -492,21 +647,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dry-run", action="store_true", help="print the table (one row per cell); write nothing")
     ap.add_argument("--accelerator", default="v5e-8", choices=sorted(ACCELERATORS))
     ap.add_argument("--out", default="runs/matrix", help="where the cell configs and plan.md go")
-    ap.add_argument("--cell", nargs="+", help="only these cells (one: write its config and print the file's "
-                    "path)")
-    ap.add_argument("--aot", metavar="TOPOLOGY", help="compile each cell's train step for a TPU topology "
-                    "(v5e-8, v6e-8, v5p-8) and print its per-chip memory, FLOPs and roofline time; exits 1 if "
-                    "a cell does not fit (marljax/aot.py)")
+    ap.add_argument("--cell", nargs="+", action="extend", help="only these cells (repeatable: --cell A B --cell C; "
+                    "one: write its config and print the file's path)")
+    ap.add_argument("--aot", metavar="TOPOLOGY", help="compile each cell's training iteration (the rollout "
+                    "engine, the update's long and short micro-batches) for a TPU topology (v5e-8, v6e-8, v5p-8) "
+                    "and print per program its per-chip memory, FLOPs and roofline time; exits 1 if a cell does "
+                    "not fit (marljax/aot.py)")
     ap.add_argument("--aot-part", default="both", choices=("both", "train", "engine"),
-                    help="--aot: compile the train step, the rollout engine (prefill and decode chunk), or both")
-    ap.add_argument("--aot-rows", type=int, default=1, help="--aot: rows of the longest sample per chip")
+                    help="--aot: compile the update, the rollout engine (prefill and decode chunk), or both")
     ap.add_argument("--aot-attention", default="splash", help="--aot: rl.attention (splash, dense, …)")
-    ap.add_argument("--aot-logprob-chunk", type=int, help="--aot: response positions per log-prob chunk "
-                    "(default: the trainer's)")
+    ap.add_argument("--aot-logprob-bytes", type=int, help="--aot: float32 logits per log-prob chunk and chip "
+                    "(default: the trainer's, marljax.models.logprobs.LOGPROB_BYTES)")
+    ap.add_argument("--aot-record", action="store_true", help="--aot: record each refitted engine pool in "
+                    f"{POOLS_FILE.name} (the cells' configs for that accelerator then plan it)")
     ap.add_argument("--slices", type=int, default=1, help="slices (or hosts) running cells in parallel")
     ap.add_argument("--steps", type=int, default=STEPS)
-    ap.add_argument("--response-fill", type=float, default=RESPONSE_FILL, help="mean response length as a "
-                    "share of the cap, for the rollout time (1: every response runs to the cap)")
+    stated = ap.add_mutually_exclusive_group()
+    stated.add_argument("--length-fraction", type=float, metavar="F", help="also price the rollouts with every "
+                        "response at F × its cap, 0 < F ≤ 1 (the caps' columns stay: the upper bound)")
+    stated.add_argument("--lengths", metavar="RUN_DIR", help="also price the rollouts at a run's per-role mean "
+                        "response lengths, as fractions of its cap (RUN_DIR/metrics.jsonl, RUN_DIR/config.yaml)")
     ap.add_argument("--data-root", default="data", help="directory holding dapo-math-17k/ and deepcoder/")
     args = ap.parse_args(argv)
     if args.slices < 1:
@@ -522,9 +682,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.cell and len(args.cell) > 1 and not args.dry_run:
         ap.error("writing configs takes one --cell (or none for all)")
     acc = ACCELERATORS[args.accelerator]
-    if not 0 < args.response_fill <= 1:
-        ap.error("--response-fill must be in (0, 1]")
-    estimates = [estimate(c, acc, args.steps, args.response_fill) for c in chosen]
+    if args.length_fraction is not None and not 0 < args.length_fraction <= 1:
+        ap.error("--length-fraction must be in (0, 1]")
+    try:
+        lengths = run_lengths(args.lengths) if args.lengths else length_fraction(args.length_fraction or 1.0)
+    except LengthsError as e:
+        ap.error(str(e))
+    estimates = [estimate(c, acc, args.steps, lengths) for c in chosen]
     if args.dry_run:
         print(table(estimates, acc, args.slices))
         return
@@ -541,10 +705,25 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{len(estimates)} configs and plan.md in {out}", file=sys.stderr)
 
 
-def with_memory_model(r, cell: Cell, cfg: Config):
-    """A compiled cell (`aot.Compiled`) with this module's memory model of the same step beside it."""
+def update_bound(cell: Cell, cfg: Config, mesh: tuple[int, int, int], layers: int | None = None) -> float:
+    """Bytes per chip that any micro-batch of the cell's update holds beyond the train state and the gradient
+    sums, by the memory model: activations of `rl.micro_batch_tokens` packed positions per data-parallel chip
+    (rows × positions; the residual stream and one layer's working set scale with that product, whatever the
+    rows) and log-prob chunks of at most `LOGPROB_BYTES` — the model's activations of one budget-long row
+    per chip. Holds while a chip's rows × V × 4 ≤ LOGPROB_BYTES (220 Qwen3 rows; a budget-sized micro-batch of
+    the cells has at most 40)."""
+    data, fsdp, tensor = mesh
+    model = dataclasses.replace(PRESETS[cfg.model], dtype=cfg.dtype, **({"num_layers": layers} if layers else {}))
+    budget = cfg.rl.micro_batch_tokens or longest_row(cell)
+    return memory(model, dtype=cfg.dtype, n_sets=1, n_roles=1, rank=cfg.lora.rank, mesh=mesh, cache_rows=0,
+                  cache_len=0, train_rows=data * fsdp, train_len=budget, response_len=budget).activations
+
+
+def with_memory_model(r, cell: Cell, cfg: Config, layers: int | None = None):
+    """A compiled micro-batch (`aot.Compiled`) with this module's memory model of the same step beside it."""
     data, fsdp, tensor = r.mesh
-    est = memory(dataclasses.replace(PRESETS[cfg.model], dtype=cfg.dtype), dtype=cfg.dtype,
+    model = dataclasses.replace(PRESETS[cfg.model], dtype=cfg.dtype, **({"num_layers": layers} if layers else {}))
+    est = memory(model, dtype=cfg.dtype,
                  n_sets=len(from_config(cfg.policy, cell.roles).sets), n_roles=len(cell.roles),
                  rank=cfg.lora.rank, mesh=(data, fsdp, tensor), cache_rows=0, cache_len=0,
                  train_rows=r.rows, train_len=r.length, response_len=r.response)
@@ -552,22 +731,19 @@ def with_memory_model(r, cell: Cell, cfg: Config):
                                model_temp=est.grads + est.activations)
 
 
-def _aot_engine(cell: Cell, cfg: Config, est: Estimate, acc: Accelerator, topology: str, *, printing: bool,
-                first: bool) -> list:
+def _aot_engine(cell: Cell, cfg: Config, est: Estimate, acc: Accelerator, topology: str, *,
+                layers: int | None = None) -> list:
     """Compile the cell's engine as `engine_plan` sizes it (with `cfg.sampling.mix_sets` and LoRA: every
     set's adapter per row); while it does not fit (twice at most), again with the pool cut to the pages
-    that fit (`aot.CompiledEngine.fit_pages`). Its rows."""
+    that fit (`aot.CompiledEngine.fit_pages`). Its compiles, the planned first."""
     from marljax import aot
-    model = dataclasses.replace(PRESETS[cell.model], dtype=cfg.dtype)
+    model = dataclasses.replace(PRESETS[cell.model], dtype=cfg.dtype, **({"num_layers": layers} if layers else {}))
     sets = cell.n_sets if cfg.sampling.mix_sets and cfg.lora.enabled else 0
     plan, out = est.engine, []
     for _ in range(3):
-        e = aot.compile_engine(cell, cfg, topology, acc, plan, held_bytes=est.memory.lora + est.memory.optimizer,
-                               sets=sets)
+        held = (est.memory.lora + est.memory.optimizer) * model.num_layers / PRESETS[cell.model].num_layers
+        e = aot.compile_engine(cell, cfg, topology, acc, plan, held_bytes=held, sets=sets, layers=layers)
         out.append(dataclasses.replace(e, model_step_flops=e.rows * 2.0 * matmul_params(model) / math.prod(e.mesh)))
-        if printing:
-            lines = aot.engine_table(out[-1:]).splitlines()
-            print("\n".join(lines if first and len(out) == 1 else lines[-1:]), flush=True)
         if out[-1].fits or out[-1].fit_pages - 1 < -(-plan.context // plan.page_size):
             break
         plan = engine_plan(cell, model, acc, est.mesh, (out[-1].fit_pages - 1) * plan.page_size * plan.ranks)
@@ -575,37 +751,105 @@ def _aot_engine(cell: Cell, cfg: Config, est: Estimate, acc: Accelerator, topolo
 
 
 def _aot(chosen: list[Cell], args) -> int:
-    """Compile every chosen cell for the topology (the train step, the rollout engine or both, as
-    `--aot-part` says), printing rows as they come: the train steps' table, then the engines'; 1 if
-    one does not fit."""
+    """Compile every chosen cell's iteration for the topology (the update's micro-batches, the rollout
+    engine or both, as `--aot-part` says), printing each program's row as it comes, then one table of the
+    iteration per cell (`iteration_table`); 1 if a cell does not fit as planned."""
     from marljax import aot
-    train, engines = [], []
+    rows = []
     for c in chosen:
         try:
             aot.topology_devices(args.aot)  # an unknown topology or no libtpu: AotError naming the fix
             acc = ACCELERATORS[args.aot]
-            est = estimate(c, acc)
-            cfg = cell_config(est, acc)
-            if args.aot_part in ("both", "train"):
-                r = aot.compile_cell(c, cfg, args.aot, acc, rows_per_chip=args.aot_rows,
-                                     attention=args.aot_attention, logprob_chunk=args.aot_logprob_chunk)
-                train.append(with_memory_model(r, c, cfg))
-                lines = aot.table(train[-1:]).splitlines()
-                print("\n".join(lines if len(train) == 1 else lines[-1:]), flush=True)
-            if args.aot_part in ("both", "engine"):
-                engines += _aot_engine(c, cfg, est, acc, args.aot, printing=args.aot_part == "engine",
-                                       first=not engines)
+            rows.append(compile_iteration(c, args.aot, part=args.aot_part, attention=args.aot_attention,
+                                          logprob_bytes=args.aot_logprob_bytes, printing=True))
+            if args.aot_record and rows[-1].refit is not None:
+                record_pool(args.aot, c.name, rows[-1].refit.plan.pages)
         except aot.AotError as e:
             print(f"python -m marljax.matrix: {e}", file=sys.stderr)
             return 2
-    if engines and args.aot_part == "both":
-        print(aot.engine_table(engines), flush=True)
-    fitting = {e.cell for e in engines if e.fits}
-    bad = [r.cell for r in train if not r.fits] + [f"{e.cell} (engine)" for e in engines if e.cell not in fitting]
-    bad = list(dict.fromkeys(bad))
-    print(f"# {len(chosen) - len({b.split()[0] for b in bad})} of {len(chosen)} cells fit on {args.aot}"
+    print(iteration_table(rows, args.aot, recorded=args.aot_record), flush=True)
+    bad = [r.cell for r in rows if not r.fits]
+    print(f"# {len(rows) - len(bad)} of {len(rows)} cells fit on {args.aot} as planned"
           + (f"; not: {', '.join(bad)}" if bad else ""), flush=True)
     return 1 if bad else 0
+
+
+def compile_iteration(cell: Cell, topology: str, *, part: str = "both", attention: str = "splash",
+                      logprob_bytes: int | None = None, layers: int | None = None, length: int | None = None,
+                      printing: bool = False) -> CellIteration:
+    """Compile `cell`'s training iteration for `topology` as its config (`cell_config`) plans it: the update's
+    long and short micro-batches (`aot.compile_cell`, with this module's memory model beside them) and the
+    rollout engine with its planned pool, refitted when it does not fit (`_aot_engine`). `part`: both, train
+    or engine; `layers` / `length` override the model's layer count and the long row's positions (tests);
+    `printing`: each program's row as it comes."""
+    from marljax import aot
+    acc = ACCELERATORS[topology]
+    est = estimate(cell, acc)
+    cfg = cell_config(est, acc)
+    updates, engines = [], []
+    if part in ("both", "train"):
+        for shape in ("long", "short"):
+            updates.append(with_memory_model(aot.compile_cell(cell, cfg, topology, acc, shape=shape,
+                                                              attention=attention, logprob_bytes=logprob_bytes,
+                                                              layers=layers, length=length), cell, cfg, layers))
+            if printing:
+                print(aot.table(updates[-1:]).splitlines()[-1], flush=True)
+    if part in ("both", "engine"):
+        engines = _aot_engine(cell, cfg, est, acc, topology, layers=layers)
+        if printing:
+            print("\n".join(aot.engine_table([e]).splitlines()[-1] for e in engines), flush=True)
+    return CellIteration(cell.name, updates, engines)
+
+
+@dataclasses.dataclass(frozen=True)
+class CellIteration:
+    """A cell's compiled iteration: its update micro-batches (`aot.Compiled`) and its engine as planned, then
+    any refits (`aot.CompiledEngine`)."""
+
+    cell: str
+    updates: list
+    engines: list
+
+    @property
+    def fits(self) -> bool:
+        """Every program fits, the engine with the pool the cell's config plans."""
+        return all(u.fits for u in self.updates) and (not self.engines or self.engines[0].fits)
+
+    @property
+    def refit(self):
+        """The first refit engine that fits, when the planned pool does not (else None)."""
+        if not self.engines or self.engines[0].fits:
+            return None
+        return next((e for e in self.engines[1:] if e.fits), None)
+
+
+def iteration_table(rows: list[CellIteration], topology: str, *, recorded: bool = False) -> str:
+    """One line per program of each cell (engine, update/long, update/short: XLA's peak GiB per chip) and
+    the cell's verdict from the largest."""
+    gib = lambda x: f"{x / 2**30:6.2f}"  # noqa: E731
+    lines = [f"# the training iteration per cell on {topology}: XLA's peak GiB per chip of each program (engine: "
+             f"the larger of prefill and decode chunk, with the pool the cell's config plans); a cell fits only if "
+             f"every program does; s: compile seconds (engine: every compile, refits included)",
+             f"{'cell':38} {'program':13} {'shape':44} {'peak':>6} {'hbm':>6} fits {'s':>5}  note"]
+    for r in rows:
+        for e in r.engines[:1]:
+            note = ""
+            if not e.fits:
+                fit = r.refit
+                note = (f"refit: fits at {fit.plan.pages} pages × {fit.plan.ranks} ranks, {fit.plan.slots} slots "
+                        f"({gib(fit.total_bytes).strip()} GiB)" + (f", recorded in {POOLS_FILE.name}" if recorded
+                                                                     else "") if fit else "no refit fits")
+            shape = f"{e.plan.ranks}×{e.plan.slots} slots, {e.plan.pages} pages/rank, ctx {e.plan.context}"
+            lines.append(f"{r.cell:38} {'engine':13} {shape:44} {gib(e.total_bytes)} {gib(e.hbm_bytes)} "
+                         f"{'yes' if e.fits else 'NO':>4} {sum(x.compile_s for x in r.engines):5.0f}  {note}")
+        for u in r.updates:
+            shape = f"{u.role} {u.rows}×{u.length} (R {u.response})"
+            lines.append(f"{r.cell:38} {u.name:13} {shape:44} {gib(u.total_bytes)} {gib(u.hbm_bytes)} "
+                         f"{'yes' if u.fits else 'NO':>4} {u.compile_s:5.0f}")
+        peak = max([u.total_bytes for u in r.updates] + [e.total_bytes for e in r.engines[:1]], default=0)
+        lines.append(f"{r.cell:38} {'= cell':13} {'largest program':44} {gib(peak)} {'':6} "
+                     f"{'yes' if r.fits else 'NO':>4}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,11 @@ class PolicySampler:
             return self.engine(set_name).generate(prompts, self.settings.params(temperature, seed),
                                                   layers=self.weights(set_name))
 
+    def release(self) -> None:
+        """Free every engine's spare page pool (`Engine.release`)."""
+        for engine in self.engines.values():
+            engine.release()
+
     def stream(self, temperature: float) -> PolicyStream:
         """Requests of any set at `temperature`, decoded as they come."""
         return PolicyStream(self, temperature)
@@ -146,8 +151,11 @@ class PolicyStream:
                     done += [(self.tickets.pop((set_name, r)), stream.result(r)) for r in stream.step()]
         return done
 
-    def close(self) -> None:
-        """Hand the streams' pools back to the engine."""
+    def close(self, *, release: bool = False) -> None:
+        """Hand the streams' pools back to their engines, or with `release` free them (and every pool the
+        engines keep) before other work needs the memory. Idempotent."""
         for stream in self.streams.values():
             stream.close()
         self.streams = {}
+        if release:
+            self.sampler.release()

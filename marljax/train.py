@@ -126,6 +126,11 @@ class EngineSampler:
     def poll(self) -> list[tuple[int, Completion]]:
         return [(t, Completion(tokens, logprobs, not hit)) for t, (tokens, logprobs, hit) in self.stream.poll()]
 
+    def close(self) -> None:
+        """Free the rollout's KV pools, dense caches and merged weights now, before the update needs the
+        memory (on an accelerator they would otherwise meet its temporaries until Python collects them)."""
+        self.stream.close(release=True)
+
 
 def build_policy(cfg: Config) -> Policy:
     """Mesh, rules, the base model loaded onto them, the codec and the LoRA format of a resolved config."""
@@ -208,10 +213,13 @@ class Run:
         return self.policy.rollout_sampler(self.cfg, self.state.params, temperature)
 
     def evaluate(self, seed: int) -> dict:
-        ev = evaluate_workflow(self.workflow, self.problems.eval, self.rollout_sampler(self.cfg.eval.temperature),
-                               self.policy.codec, self.route, seed=seed, k=self.cfg.eval.k, progress=False,
-                               max_prompt_tokens=self.cfg.sampling.max_prompt_tokens)
-        return ev
+        sampler = self.rollout_sampler(self.cfg.eval.temperature)
+        try:
+            return evaluate_workflow(self.workflow, self.problems.eval, sampler, self.policy.codec, self.route,
+                                     seed=seed, k=self.cfg.eval.k, progress=False,
+                                     max_prompt_tokens=self.cfg.sampling.max_prompt_tokens)
+        finally:
+            sampler.close()
 
     # ---- data ----------------------------------------------------------------------------------
     def batch_problems(self, step: int):
@@ -231,10 +239,13 @@ class Run:
         cfg = self.cfg
         t0 = time.perf_counter()
         problems = self.batch_problems(step)
-        ro = rollout(self.workflow, problems, self.rollout_sampler(cfg.sampling.temperature), self.policy.codec,
-                     self.route, n_rollouts=cfg.rl.rollouts, seed=int(np.random.SeedSequence(
-                         [cfg.seed, step]).generate_state(1)[0]),
-                     max_prompt_tokens=cfg.sampling.max_prompt_tokens)
+        sampler = self.rollout_sampler(cfg.sampling.temperature)
+        try:
+            ro = rollout(self.workflow, problems, sampler, self.policy.codec, self.route, n_rollouts=cfg.rl.rollouts,
+                         seed=int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0]),
+                         max_prompt_tokens=cfg.sampling.max_prompt_tokens)
+        finally:
+            sampler.close()  # the pools are freed before the update
         t_rollout = time.perf_counter() - t0
         c = ro.columns()
         adv = compute_advantages(problem_id=c.problem_id, rollout=c.rollout, role=c.role, slot=c.slot,

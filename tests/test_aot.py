@@ -183,3 +183,49 @@ def test_per_row_lora_engine_compiles_for_v5e_with_each_ranks_adapters_on_its_ch
     matmuls = rows * 2 * matrix.matmul_params(model)
     assert matmuls <= merged_engine.step_flops < 1.2 * matmuls
     assert e.prefill.temp_bytes < 0.5 * aot.GiB
+
+
+VOTING_0_6B = "voting-math-qwen3-0.6b-shared"
+
+
+def _voting_iteration(**kw):
+    """The Qwen3-0.6B-shaped Voting cell's iteration at 2 layers on v5e-8 (its long row cut to 8,192
+    positions: the compile time), its config and its update bound."""
+    from marljax import aot
+    cell = next(c for c in matrix.cells() if c.name == VOTING_0_6B)
+    acc = matrix.ACCELERATORS["v5e-8"]
+    cfg = matrix.cell_config(matrix.estimate(cell, acc), acc)
+    t0 = time.perf_counter()
+    it = matrix.compile_iteration(cell, "v5e-8", layers=2, length=8192, **kw)
+    bound = matrix.update_bound(cell, cfg, it.updates[0].mesh, layers=2)
+    print(matrix.iteration_table([it], "v5e-8"), f"\nupdate bound {bound / aot.GiB:.2f} GiB per chip; "
+          f"{time.perf_counter() - t0:.0f} s")
+    return it, bound
+
+
+# three TPU compiles (2-layer engine, two update micro-batches): 75 s on this project's 2-core box with another
+# compile running beside it (2026-12-07)
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed (pip install libtpu==0.0.42.1, requirements-test.txt)")
+def test_iteration_compiles_for_v5e_within_the_update_bound():
+    """The whole iteration of a Qwen3-0.6B-shaped Voting cell at 2 layers on v5e-8, through
+    `matrix.compile_iteration` (what `python -m marljax.matrix --aot` runs): the engine with its planned pool,
+    the update's long micro-batch (one longest row per chip) and its short one (the most 256-token answers
+    the cell's token budget admits: 32 rows per chip). Both micro-batches' temporaries stay within
+    `matrix.update_bound` (the memory model's activations of one budget-long row per chip), whatever the
+    rows: before the log-prob chunks were sized by bytes, the short one's [32, 256, vocab] float32 logits
+    alone took 4.6 GiB per chip (`test_per_row_logprob_chunks_break_the_update_bound`)."""
+    it, bound = _voting_iteration()
+    long, short = it.updates
+    assert it.fits and it.refit is None and [u.name for u in it.updates] == ["update/long", "update/short"]
+    assert short.rows // 8 == 32 and short.response == 256 and long.rows == 8
+    assert long.temp_bytes <= bound and short.temp_bytes <= bound
+
+
+@pytest.mark.slow  # three TPU compiles, ~75 s
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed (pip install libtpu==0.0.42.1, requirements-test.txt)")
+def test_per_row_logprob_chunks_break_the_update_bound():
+    """The same iteration with the trainer's former log-prob chunking (256 positions of every row at once,
+    as `--aot-logprob-bytes` emulates it for the short micro-batch's 32 rows per chip): the short
+    micro-batch's temporaries exceed the bound that the byte-sized chunks keep."""
+    it, bound = _voting_iteration(logprob_bytes=32 * 256 * 151936 * 4, part="train")
+    assert it.updates[1].temp_bytes > bound

@@ -27,8 +27,9 @@ def reference(h, w, target, g):
     return logp, dz @ w.T, np.einsum("nrd,nrv->dv", h, dz)
 
 
-@pytest.mark.parametrize("chunk", [3, 4, 10, 256])  # R = 10: chunks that divide it, do not, and one pass
+@pytest.mark.parametrize("chunk", [1, 3, 4, 10, 256])  # R = 10: chunks that divide it, do not, and one pass
 def test_chunked_logprobs_match_float64(chunk):
+    """Chunks of `chunk` positions (a budget of N rows × chunk × V float32 logits) against float64."""
     rng = np.random.default_rng(0)
     h, g = rng.normal(size=(N, R, D)), rng.normal(size=(N, R))
     w = rng.normal(size=(D, V))
@@ -36,7 +37,7 @@ def test_chunked_logprobs_match_float64(chunk):
     logp_ref, dh_ref, dw_ref = reference(h, w, target, g)
 
     def loss(h, w):
-        logp = target_logprobs(lambda x: x @ w, h, jnp.asarray(target), TEMP, chunk)
+        logp = target_logprobs(lambda x: x @ w, h, jnp.asarray(target), TEMP, budget=N * chunk * V * 4)
         return jnp.sum(logp * g), logp
 
     (_, logp), (dh, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
@@ -48,9 +49,20 @@ def test_chunked_logprobs_match_float64(chunk):
     np.testing.assert_allclose(dw, dw_ref, rtol=1e-5, atol=1e-5)
 
 
-def test_chunk_must_be_positive():
+def test_budget_must_be_positive():
     with pytest.raises(ValueError, match="at least one position"):
         target_logprobs(lambda x: x, jnp.zeros((1, 2, 3)), jnp.zeros((1, 2), jnp.int32), 1.0, 0)
+
+
+def test_chunk_positions_follow_rows_and_vocabulary():
+    """A chunk holds at most the budget's logits over the rows per chip (at least one position), evened out
+    over the chunks a response needs."""
+    qwen3 = 151936
+    assert logprobs.chunk_positions(1, 5120, qwen3) == 214  # 220 fit 128 MiB; 24 chunks of 214 (not 23 + 60)
+    assert logprobs.chunk_positions(40, 256, qwen3) == 5  # 40 rows: 5 positions fit (97 MiB)
+    assert logprobs.chunk_positions(40, 256, qwen3, budget=40 * 6 * qwen3 * 4) == 6
+    assert logprobs.chunk_positions(10_000, 256, qwen3) == 1
+    assert logprobs.chunk_positions(1, 100, qwen3) == 100  # fits: one pass
 
 
 def _trainer(vocab: int):
@@ -64,9 +76,9 @@ R_LONG = 2048
 
 
 def test_trainer_logprobs_do_not_hold_full_logits():
-    """Gradient of the summed response log-probs at R = 2048, vocab 32768: compiled temp memory under half
-    of one [n, R, vocab] float32 array (the one-pass version holds at least that, 256 MiB)."""
-    n, vocab = 1, 32768
+    """Gradient of the summed response log-probs at R = 2048, Qwen3's vocabulary (151,936): compiled temp
+    memory under half of one [n, R, vocab] float32 array (the one-pass version holds at least that, 1.16 GiB)."""
+    n, vocab = 1, 151936
     trainer = _trainer(vocab)
     spec = jax.ShapeDtypeStruct
     batch = RoleBatch(spec((n, R_LONG + 16), jnp.int32), spec((n,), jnp.int32), spec((n, R_LONG), jnp.float32),
@@ -79,7 +91,8 @@ def test_trainer_logprobs_do_not_hold_full_logits():
 
 
 def test_trainer_logprobs_unchanged_by_chunking(monkeypatch):
-    """The trainer's log-probs and their gradient at R = 600 (3 chunks of 256) equal one pass to 1e-5."""
+    """The trainer's log-probs and their gradient at R = 600 (a budget of 256 positions: 3 chunks of 200)
+    equal one pass to 1e-5."""
     n, R_, vocab = 2, 600, 512
     trainer = _trainer(vocab)
     rng = np.random.default_rng(1)
@@ -92,8 +105,9 @@ def test_trainer_logprobs_unchanged_by_chunking(monkeypatch):
         f = lambda p: jnp.sum(trainer.response_logprobs(p, batch) * g)
         return jax.jit(jax.value_and_grad(f))(trainer.base_state)
 
+    monkeypatch.setattr(logprobs, "LOGPROB_BYTES", n * 256 * vocab * 4)
     value, grad = run()
-    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", R_)  # one pass
+    monkeypatch.setattr(logprobs, "LOGPROB_BYTES", n * R_ * vocab * 4)  # one pass
     value_ref, grad_ref = run()
     np.testing.assert_allclose(value, value_ref, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(grad_ref)):

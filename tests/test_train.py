@@ -172,3 +172,25 @@ def test_resume_accepts_a_config_saved_before_a_key_existed(tmp_path):
     with pytest.raises(ConfigError, match=r"config\.yaml \(the config this run started with\) no longer loads: "
                                           r"Unknown config key 'rl\.gone_key'"):
         train_main([*args, "steps=3"])
+
+
+def test_rollout_pools_are_freed_before_the_update(tmp_path, monkeypatch):
+    """A training step frees the rollout engine's page pools (and the engines' spare pools) before the update
+    runs: when `train_batch` starts, no live array has a pool's shape ([ranks, pages, page_size,
+    2·kv_heads, head_dim]); during the rollout there was one per layer."""
+    import marljax.train as train
+    from marljax.engine import engine
+    from marljax.models.presets import PRESETS
+    cfg = PRESETS["tiny-qwen3"]
+
+    def pools():
+        return [a for a in jax.live_arrays() if a.ndim == 5 and a.shape[2:] == (16, 2 * cfg.num_kv_heads, cfg.head_dim)]
+
+    seen, live_at_update = [], []
+    step = engine.Stream.step
+    monkeypatch.setattr(engine.Stream, "step", lambda self: (seen.append(len(pools())), step(self))[1])
+    train_batch = train.train_batch
+    monkeypatch.setattr(train, "train_batch", lambda *a, **k: (live_at_update.append(len(pools())),
+                                                               train_batch(*a, **k))[1])
+    train_main([*TINY, "workflow=voting", "steps=1", f"run_dir={tmp_path}", "eval.at_start=false", "eval.every=0"])
+    assert max(seen) == cfg.num_layers and live_at_update == [0]

@@ -201,8 +201,10 @@ class Engine:
         return pages, hidden_nd[row], len(starts)
 
     def release(self) -> None:
-        """Free the pool kept for the next stream (`_take_pool`): for a caller that runs other work between
-        its sampling calls and needs the memory more than the allocation it saves."""
+        """Free the pool kept for the next stream (`_take_pool`), its device buffers at once (not when Python
+        collects them): for a caller that runs other work between its sampling calls and needs the memory
+        more than the allocation it saves (the trainer's update after a rollout)."""
+        _delete(self._spare)
         self._spare = None
 
     def _take_pool(self, num_pages: int) -> list[dict]:
@@ -336,9 +338,15 @@ class Stream:
         stats.pool_bytes = e.ranks * self.num_pages * page_bytes(cfg, e.page_size)
         return sched.take_finished()
 
-    def close(self) -> None:
-        """Hand the pool back to the engine (for its next stream); the stream is done."""
-        self.engine._spare, self.pages, self.dense = self.pages, None, None
+    def close(self, *, release: bool = False) -> None:
+        """The stream is done: its dense caches are freed and its pool handed back to the engine for the next
+        stream, or with `release` freed too (`Engine.release`). Idempotent."""
+        _delete(self.dense)
+        if self.pages is not None:
+            self.engine._spare = self.pages
+        self.pages, self.dense, self.layers, self.lora = None, None, None, None
+        if release:
+            self.engine.release()
 
     def _dense(self, b: dict) -> tuple[list[dict], np.ndarray]:
         """The chunk path's dense caches for decode batch `b` (`scheduler.batch`, rows in place) and the
@@ -381,6 +389,13 @@ class Stream:
         self.pages = grow_pages(self.pages, n - self.num_pages)
         for pool in self.pools:
             pool.grow(n)
+
+
+def _delete(tree) -> None:
+    """Free the device buffers of `tree`'s arrays now (they must not be read again)."""
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            x.delete()
 
 
 def prefill_chunk(budget: int | None, rows: int, length: int) -> int:

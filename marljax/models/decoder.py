@@ -159,8 +159,11 @@ def linear(x, w, name: str, lora_layer: dict | None, lora_scale: float, n_in: in
     spec = f"t{in_axes},{in_axes}{out_axes}->t{out_axes}"
     w = w.astype(x.dtype)
     # float32 out, rounded once to the compute dtype (models/precision.py): for bfloat16 the same numbers
-    # as a bfloat16-output dot, which XLA CPU runs 3-8x slower (docs/benchmarks.md "bf16 matmuls")
-    y = dot_f32(spec, x, w)
+    # as a bfloat16-output dot, which XLA CPU runs 3-8x slower (docs/benchmarks.md "bf16 matmuls"). The LoRA
+    # delta comes first and the base product last (its float32 output consumed at once by the sum): with the
+    # base product first, XLA's TPU schedule held both float32 outputs and the 4B Eval-Opt cell's update
+    # grew 0.57 GiB per chip out of v5e's memory (docs/scale_out.md)
+    delta = None
     if lora_layer is not None and name in lora_layer:  # the delta added in float32 before the rounding
         a, b = lora_layer[name]["a"], lora_layer[name]["b"]  # a: [(G,) *in, r], b: [(G,) r, *out]
         if token_groups is None:
@@ -171,7 +174,7 @@ def linear(x, w, name: str, lora_layer: dict | None, lora_scale: float, n_in: in
             delta = lora_scale * grouped_lora_delta(
                 x.reshape(x.shape[0], -1), a.reshape(G, -1, r).astype(x.dtype),
                 b.reshape(G, r, -1).astype(x.dtype), token_groups).reshape(x.shape[:1] + w.shape[n_in:])
-        y = y + delta
+    y = dot_f32(spec, x, w) if delta is None else dot_f32(spec, x, w) + delta
     y = y.astype(x.dtype)
     if x.dtype != jnp.float32:  # remat's `dots` keeps it: it does not see dot_f32's custom-VJP matmul
         y = checkpoint_name(y, LINEAR_OUTPUT)

@@ -87,7 +87,7 @@ class StepConfig:
     remat: str = "full"  # decoder.REMAT: full | dots | none
     attention: str = "auto"  # models.attention.ATTENTIONS: auto | dense | blockwise | cudnn | splash
     micro_batch_tokens: int = 0  # per data-parallel rank, rows × positions of one forward/backward; 0: off
-    logprob_chunk: int | None = None  # response positions per log-prob chunk (None: LOGPROB_CHUNK)
+    logprob_bytes: int | None = None  # float32 logits per log-prob chunk and chip (None: LOGPROB_BYTES)
 
     def __post_init__(self):
         if self.role_weighting not in ROLE_WEIGHTINGS:
@@ -244,7 +244,7 @@ class Trainer:
         idx_br = jnp.minimum(batch.prompt_len_b[:, None] - 1 + jnp.arange(R), T - 2)
         h_bre = jnp.take_along_axis(h_bte, idx_br[:, :, None], axis=1)
         target_br = jnp.take_along_axis(batch.tokens_bt, idx_br + 1, axis=1)
-        return target_logprobs(model.logits, h_bre, target_br, cfg.logprob_temperature, cfg.logprob_chunk)
+        return target_logprobs(model.logits, h_bre, target_br, cfg.logprob_temperature, cfg.logprob_bytes)
 
     def _all_logprobs(self, base, params, batches: dict[str, RoleBatch]):
         return {r: self.response_logprobs(params[self.cfg.set_of(r)], b, base=base)
