@@ -11,7 +11,8 @@ one jitted update per mini-batch (per-role grads, diagnostics, per-set AdamW) â†
 every `checkpoint.every` steps; re-running on a run_dir with a checkpoint resumes it exactly, on one without
 a checkpoint starts afresh (`clear_earlier_attempt`). The state of the best eval so far is kept apart
 (RUN_DIR/peak); with `diagnostics.rollback_on_cliff` the trainer restores it when the terminal-cliff
-detector fires, then stops or continues at a scaled learning rate.
+detector fires, then stops or continues at a scaled learning rate. SIGTERM (preemption) ends the run at
+the end of the current step with a checkpoint of it and exit status 0 (`Preemption`).
 """
 from __future__ import annotations
 
@@ -24,8 +25,11 @@ import dataclasses
 import json
 import math
 import pathlib
+import shlex
 import shutil
+import signal
 import sys
+import threading
 import time
 
 import jax
@@ -447,8 +451,52 @@ def eval_step(run: Run, ckpt: Checkpointer, step: int, record: dict) -> None:
             rollback(run, ckpt, step, record)
 
 
-def train(cfg: Config) -> pathlib.Path:
-    """Build, resume, then per step: rollout and update, eval on its cadence, log, checkpoint."""
+class Preemption:
+    """SIGTERM (what a preempted TPU VM and Kubernetes send) as a request to stop at the end of a step.
+
+    A context manager: while entered (in `main` only, so importing marljax installs nothing) SIGTERM sets a
+    flag and nothing else; the previous handler is restored on exit. `train` reads the flag after each
+    step's record is logged: a SIGTERM during a rollout, an eval or the update lets that step finish (at
+    most one step late; one during start-up stops after the first step). A second SIGTERM is ignored, so it
+    cannot interrupt the save; a SIGKILL during it leaves the previous checkpoint the newest (Orbax writes
+    a step to a temporary directory and renames it when complete).
+    """
+
+    def __init__(self):
+        self.requested = False
+        self.installed = False
+        self.previous = None
+
+    def __enter__(self) -> Preemption:
+        if threading.current_thread() is threading.main_thread():  # only there can Python take signals
+            self.previous, self.installed = signal.signal(signal.SIGTERM, self._handle), True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.installed:  # None: the handler before was not Python's and cannot be put back
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self.previous is None else self.previous)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def agreed(self) -> bool:
+        """Whether to stop now: on many hosts every process takes the same answer (stop when any of them
+        was sent SIGTERM), so all save the same step and leave the loop together."""
+        return bool(multihost_utils.process_allgather(np.int32(self.requested)).any())
+
+
+class Preempted(Exception):
+    """`train` stopped on SIGTERM after saving the checkpoint of `step` in `where`."""
+
+    def __init__(self, step: int, where: pathlib.Path):
+        super().__init__(step, where)
+        self.step, self.where = step, where
+
+
+def train(cfg: Config, preemption: Preemption | None = None) -> pathlib.Path:
+    """Build, resume, then per step: rollout and update, eval on its cadence, log, checkpoint. On a
+    `preemption` request, the step just logged is saved and `Preempted` raised, the writers closed."""
+    preemption = preemption or Preemption()
     run, ckpt, log = open_run(cfg)
     start = resume(run, ckpt, log)
     if run.stopped:
@@ -466,7 +514,8 @@ def train(cfg: Config) -> pathlib.Path:
         log.log(record)
         bar.set_postfix({"reward": f"{record['reward/mean']:.3f}", "loss": f"{record['loss']:.3f}",
                          **({"pass@1": f"{record['eval/pass@1']:.3f}"} if "eval/pass@1" in record else {})})
-        ckpt.save(step, run.state, run.meta(step), force=step == cfg.steps or run.stopped is not None)
+        preempted = step < last and preemption.agreed()  # a collective on many hosts: every step calls it
+        ckpt.save(step, run.state, run.meta(step), force=step == cfg.steps or run.stopped is not None or preempted)
         if run.stopped:
             break
         if run.nonfinite_streak >= cfg.diagnostics.max_nonfinite:
@@ -475,6 +524,11 @@ def train(cfg: Config) -> pathlib.Path:
             raise FloatingPointError(
                 f"{run.nonfinite_streak} non-finite losses in a row up to step {step}; stopping. The last "
                 f"good state is the newest checkpoint in {ckpt.dir}. Lower optim.lr or check the data.")
+        if preempted:  # the bar's line ends before the caller's message
+            bar.close()
+            ckpt.close()
+            log.close()
+            raise Preempted(step, ckpt.dir)
     ckpt.close()
     log.close()
     if not sharding.is_primary():
@@ -516,9 +570,15 @@ def main(argv: list[str] | None = None) -> None:
     sharding.initialize_distributed()
     compile_cache.enable()
     try:
-        report = train(cfg)
+        with Preemption() as preemption:
+            report = train(cfg, preemption)
     except DataError as e:  # a dataset missing or malformed: say which, without a traceback
         parser.exit(2, f"data error: {e}\n")
+    except Preempted as e:  # exit status 0: the run is not broken, and the same command resumes it
+        command = shlex.join(["python", "-m", "marljax.train", *(sys.argv[1:] if argv is None else argv)])
+        print(f"preempted (SIGTERM): stopped after step {e.step}, its checkpoint saved in {e.where}; "
+              f"resume with the same command: {command}", file=sys.stderr)
+        return
     from marljax.report import summarize
     s = summarize(report.parent) if sharding.is_primary() else {}
     if "final" in s:

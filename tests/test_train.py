@@ -1,5 +1,5 @@
 """`python -m marljax.train`: every workflow × policy trains on the tiny model, metrics contract, exact
-resume after SIGKILL, config errors.
+resume after SIGKILL and after SIGTERM (preemption), config errors.
 
 The runs use `task=parity` (marljax/tasks/parity.py), whose reward a random model earns about half the
 time: on `arith` tiny-qwen3 earns 0 everywhere, every gradient is 0 and "equal after resume" would
@@ -7,6 +7,7 @@ compare zeros. Each test first checks that gradients are non-zero and the adapte
 import json
 import os
 import pathlib
+import shlex
 import signal
 import subprocess
 import sys
@@ -63,17 +64,32 @@ def test_every_workflow_and_policy_trains_two_steps(tmp_path, workflow, capsys):
     assert any(signals), workflow
 
 
-def _run_cmd(run_dir, steps):
+def _run_cmd(run_dir, steps, every=1):
     """Shared-Policy Voting in `paper` mini-batches of 8 (16 samples: 2 seeded, mixed mini-batches)."""
     return [sys.executable, "-m", "marljax.train", *TINY, "workflow=voting", "policy=shared", f"steps={steps}",
-            f"run_dir={run_dir}", "seed=0", "checkpoint.every=1", "eval.every=2", "rl.minibatch=paper",
+            f"run_dir={run_dir}", "seed=0", f"checkpoint.every={every}", "eval.every=2", "rl.minibatch=paper",
             "rl.minibatch_size=8"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """An uninterrupted 3-step `_run_cmd` run (checkpoints every step): what the resumed runs must equal."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    subprocess.run(_run_cmd(run_dir, 3), check=True, capture_output=True)
+    return run_dir
 
 
 def _params(run_dir, step):
     with ocp.StandardCheckpointer() as ckpt:
         state = ckpt.restore(pathlib.Path(run_dir).absolute() / "checkpoints" / str(step) / "state")
     return [np.asarray(x) for x in jax.tree.leaves(state["params"])]
+
+
+def _steps_logged(run_dir):
+    """The steps of the complete lines of a running run's metrics.jsonl (none before it exists)."""
+    path = pathlib.Path(run_dir) / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line)["step"] for line in text.split("\n")[:-1]]
 
 
 def _comparable(record):
@@ -101,10 +117,8 @@ def test_train_prints_the_held_out_change_and_its_noise(tmp_path, capsys):
     assert f"± {noise:.3f} (1 s.e. of the paired difference)" in change, change
 
 
-def test_resume_after_sigkill_continues_exactly(tmp_path):
+def test_resume_after_sigkill_continues_exactly(tmp_path, straight):
     """Kill a run right after its step-2 checkpoint; the restarted run's step 3 equals an uninterrupted one."""
-    straight = tmp_path / "straight"
-    subprocess.run(_run_cmd(straight, 3), check=True, capture_output=True)
     killed = tmp_path / "killed"
     proc = subprocess.Popen(_run_cmd(killed, 3), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
@@ -127,6 +141,39 @@ def test_resume_after_sigkill_continues_exactly(tmp_path):
     assert any(not np.array_equal(x, y) for x, y in zip(before, after))
     assert _comparable(a[3]) == _comparable(b[3])  # bitwise: CPU XLA is deterministic
     assert all(np.array_equal(x, y) for x, y in zip(after, _params(killed, 3)))
+
+
+def test_sigterm_saves_the_step_and_exits_0_then_resumes_exactly(tmp_path, straight):
+    """SIGTERM once step 1 is logged: the run saves the step it is in (no periodic checkpoint is due), exits
+    0 with one line naming the resume, and the same command then finishes it as an uninterrupted run."""
+    run_dir = tmp_path / "run"
+    cmd = _run_cmd(run_dir, 3, every=100)
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.time() + 600
+        while proc.poll() is None and time.time() < deadline and 1 not in _steps_logged(run_dir):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        assert proc.wait(timeout=300) == 0, (tmp_path / "stderr").read_text()[-3000:]
+    print(f"SIGTERM to exit: {time.time() - t0:.1f} s")
+    done = [r["step"] for r in _records(run_dir)]
+    if 3 in done:
+        pytest.fail("the run finished step 3 before SIGTERM stopped it; the test did not exercise preemption")
+    stop = done[-1]  # 1 or 2: the step in progress when the signal arrived
+    assert done == list(range(stop + 1)) and stop >= 1
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [stop]
+    last = (tmp_path / "stderr").read_text().strip().splitlines()[-1]
+    assert last.startswith(f"preempted (SIGTERM): stopped after step {stop}, its checkpoint saved in "), last
+    assert last.endswith("resume with the same command: " + shlex.join(["python", *cmd[1:]])), last
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    assert f"resumed {run_dir} from step {stop}" in out.stderr
+    a, b = _records(straight), _records(run_dir)
+    assert [r["step"] for r in b] == [0, 1, 2, 3]
+    assert [_comparable(r) for r in a] == [_comparable(r) for r in b]  # bitwise: CPU XLA is deterministic
+    after = _params(straight, 3)  # the resumed steps moved the adapter, and exactly as the straight run did
+    assert any(not np.array_equal(x, y) for x, y in zip(_params(straight, stop), after))
+    assert all(np.array_equal(x, y) for x, y in zip(after, _params(run_dir, 3)))
 
 
 def test_config_errors_name_the_problem(tmp_path):
