@@ -416,22 +416,27 @@ class EnginePlan:
     pool_bytes: float  # KV pool per chip
 
 
-# Engine pools that `--aot --aot-record` found to fit where the memory model's plan did not: {accelerator: {cell:
-# pages per rank}}; `engine_plan` plans at most these (and the cells' configs for that accelerator with it).
-POOLS_FILE = pathlib.Path(__file__).resolve().parent.parent / "configs" / "aot_pools.yaml"
+# What `--aot --aot-record` compiled to fit where the plan did not: {accelerator: {cell: {"pages": pages per rank
+# of the engine's pool, "micro_batch_tokens": the update's token budget}}}; `engine_plan` and `cell_config` plan
+# at most these for that accelerator.
+FITS_FILE = pathlib.Path(__file__).resolve().parent.parent / "configs" / "aot_fits.yaml"
 
 
-def recorded_pools(path: pathlib.Path = POOLS_FILE) -> dict[str, dict[str, int]]:
-    return (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
+def recorded_fit(accelerator: str, cell: str, key: str, path: pathlib.Path | None = None) -> int | None:
+    """The recorded `key` ("pages" or "micro_batch_tokens") of `cell` on `accelerator`, or None."""
+    path = path or FITS_FILE
+    fits = (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
+    return fits.get(accelerator, {}).get(cell, {}).get(key)
 
 
-def record_pool(accelerator: str, cell: str, pages: int, path: pathlib.Path = POOLS_FILE) -> None:
-    """Record that `cell`'s engine fits `accelerator` with `pages` pages per rank (its AOT refit)."""
-    pools = recorded_pools(path)
-    pools.setdefault(accelerator, {})[cell] = int(pages)
-    path.write_text("# engine pools (pages per batch rank) that `python -m marljax.matrix --aot TOPOLOGY --aot-record`"
-                    " compiled to fit\n# where the memory model planned more; marljax.matrix.engine_plan plans at "
-                    "most these\n" + yaml.safe_dump(pools, sort_keys=True))
+def record_fit(accelerator: str, cell: str, key: str, value: int, path: pathlib.Path | None = None) -> None:
+    """Record that `cell` fits `accelerator` with `key` = `value` (an AOT refit; see FITS_FILE)."""
+    path = path or FITS_FILE
+    fits = (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
+    fits.setdefault(accelerator, {}).setdefault(cell, {})[key] = int(value)
+    path.write_text("# what `python -m marljax.matrix --aot TOPOLOGY --aot-record` compiled to fit where the memory "
+                    "model's plan did not:\n# pages per rank of the engine's pool, the update's micro_batch_tokens; "
+                    "marljax.matrix plans at most these\n" + yaml.safe_dump(fits, sort_keys=True))
 
 
 def engine_plan(cell: Cell, cfg: ModelConfig, acc: Accelerator, mesh: tuple[int, int, int],
@@ -446,12 +451,12 @@ def engine_plan(cell: Cell, cfg: ModelConfig, acc: Accelerator, mesh: tuple[int,
     bound), so slots per rank = min(samples in flight / ranks, the sequences of the cell's shortest
     stage the pool holds); the longest stage runs fewer at a time (`stage_slots`). The engine fits when
     its pool holds one sequence of the longest stage. A pool the AOT compile recorded for the cell on `acc`
-    (`POOLS_FILE`) caps the pages."""
+    (`FITS_FILE`) caps the pages."""
     data, fsdp, tensor = mesh
     ranks = data * fsdp
     ps = PAGE_SIZE  # the sampler's engine pages
     pages = 1 + max_cache_tokens // ranks // ps
-    pages = min(pages, recorded_pools().get(acc.name, {}).get(cell.name, pages))
+    pages = min(pages, recorded_fit(acc.name, cell.name, "pages") or pages)
     in_flight = PROBLEMS * ROLLOUTS * max(s.calls for s in cell.stages())
     shortest = min(s.prompt for s in cell.stages()) + cell.max_response
     slots = min(-(-in_flight // ranks), (pages - 1) // -(-shortest // ps))
@@ -588,7 +593,7 @@ def cell_config(est: Estimate, acc: Accelerator, data_root: str = "data") -> Con
     # Isolated LoRA sets decode in one batch on the shared base: merged, each set's stream would hold its
     # own pool and its own merged copy of the layers while the rollout has its rows in flight
     cfg.sampling.mix_sets = cfg.lora.enabled and c.n_sets > 1
-    cfg.rl.micro_batch_tokens = longest_row(c)
+    cfg.rl.micro_batch_tokens = recorded_fit(acc.name, c.name, "micro_batch_tokens") or longest_row(c)
     data, fsdp, tensor = est.mesh
     cfg.mesh = MeshConfig(data=data, fsdp=fsdp, tensor=tensor, rules="auto", lora="sharded")
     return resolve(cfg)
@@ -659,7 +664,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--aot-logprob-bytes", type=int, help="--aot: float32 logits per log-prob chunk and chip "
                     "(default: the trainer's, marljax.models.logprobs.LOGPROB_BYTES)")
     ap.add_argument("--aot-record", action="store_true", help="--aot: record each refitted engine pool in "
-                    f"{POOLS_FILE.name} (the cells' configs for that accelerator then plan it)")
+                    f"{FITS_FILE.name} (the cells' configs for that accelerator then plan it)")
     ap.add_argument("--slices", type=int, default=1, help="slices (or hosts) running cells in parallel")
     ap.add_argument("--steps", type=int, default=STEPS)
     stated = ap.add_mutually_exclusive_group()
@@ -676,18 +681,19 @@ def main(argv: list[str] | None = None) -> None:
         unknown = sorted(set(args.cell) - {c.name for c in chosen})
         if unknown:
             ap.error(f"unknown cell(s) {unknown}; `python -m marljax.matrix --dry-run` lists them.")
-        chosen = [c for c in chosen if c.name in args.cell]
-    if args.aot:
-        sys.exit(_aot(chosen, args))
-    if args.cell and len(args.cell) > 1 and not args.dry_run:
-        ap.error("writing configs takes one --cell (or none for all)")
-    acc = ACCELERATORS[args.accelerator]
+        by_name = {c.name: c for c in chosen}
+        chosen = [by_name[n] for n in dict.fromkeys(args.cell)]  # in the order given, each once
     if args.length_fraction is not None and not 0 < args.length_fraction <= 1:
         ap.error("--length-fraction must be in (0, 1]")
     try:
         lengths = run_lengths(args.lengths) if args.lengths else length_fraction(args.length_fraction or 1.0)
     except LengthsError as e:
         ap.error(str(e))
+    if args.aot:
+        sys.exit(_aot(chosen, args, lengths))
+    if args.cell and len(args.cell) > 1 and not args.dry_run:
+        ap.error("writing configs takes one --cell (or none for all)")
+    acc = ACCELERATORS[args.accelerator]
     estimates = [estimate(c, acc, args.steps, lengths) for c in chosen]
     if args.dry_run:
         print(table(estimates, acc, args.slices))
@@ -750,10 +756,11 @@ def _aot_engine(cell: Cell, cfg: Config, est: Estimate, acc: Accelerator, topolo
     return out
 
 
-def _aot(chosen: list[Cell], args) -> int:
+def _aot(chosen: list[Cell], args, lengths: Lengths = CAPS) -> int:
     """Compile every chosen cell's iteration for the topology (the update's micro-batches, the rollout
     engine or both, as `--aot-part` says), printing each program's row as it comes, then one table of the
-    iteration per cell (`iteration_table`); 1 if a cell does not fit as planned."""
+    iteration per cell (`iteration_table`) and, where engines compiled, the cells' hours with the compiled
+    decode step (`table`, at the caps and at `lengths`); 1 if a cell does not fit as planned."""
     from marljax import aot
     rows = []
     for c in chosen:
@@ -763,11 +770,18 @@ def _aot(chosen: list[Cell], args) -> int:
             rows.append(compile_iteration(c, args.aot, part=args.aot_part, attention=args.aot_attention,
                                           logprob_bytes=args.aot_logprob_bytes, printing=True))
             if args.aot_record and rows[-1].refit is not None:
-                record_pool(args.aot, c.name, rows[-1].refit.plan.pages)
+                record_fit(args.aot, c.name, "pages", rows[-1].refit.plan.pages)
+            if args.aot_record and rows[-1].budget_refit is not None:
+                record_fit(args.aot, c.name, "micro_batch_tokens", rows[-1].budget_refit[0])
         except aot.AotError as e:
             print(f"python -m marljax.matrix: {e}", file=sys.stderr)
             return 2
     print(iteration_table(rows, args.aot, recorded=args.aot_record), flush=True)
+    acc, names = ACCELERATORS[args.aot], [r.cell for r in rows]
+    timed = [estimate(c, acc, args.steps, lengths, decode_step_s=r.engine.step_s)
+             for c, r in zip(chosen, rows) if r.engine is not None and c.name in names]
+    if timed:
+        print(table(timed, acc, args.slices), flush=True)
     bad = [r.cell for r in rows if not r.fits]
     print(f"# {len(rows) - len(bad)} of {len(rows)} cells fit on {args.aot} as planned"
           + (f"; not: {', '.join(bad)}" if bad else ""), flush=True)
@@ -786,34 +800,55 @@ def compile_iteration(cell: Cell, topology: str, *, part: str = "both", attentio
     acc = ACCELERATORS[topology]
     est = estimate(cell, acc)
     cfg = cell_config(est, acc)
-    updates, engines = [], []
+    updates, engines, budgets = [], [], []
+
+    def update(shape, cfg):
+        u = with_memory_model(aot.compile_cell(cell, cfg, topology, acc, shape=shape, attention=attention,
+                                               logprob_bytes=logprob_bytes, layers=layers, length=length),
+                              cell, cfg, layers)
+        if printing:
+            print(aot.table([u]).splitlines()[-1], flush=True)
+        return u
+
     if part in ("both", "train"):
-        for shape in ("long", "short"):
-            updates.append(with_memory_model(aot.compile_cell(cell, cfg, topology, acc, shape=shape,
-                                                              attention=attention, logprob_bytes=logprob_bytes,
-                                                              layers=layers, length=length), cell, cfg, layers))
-            if printing:
-                print(aot.table(updates[-1:]).splitlines()[-1], flush=True)
+        updates = [update("long", cfg), update("short", cfg)]
+        budget = cfg.rl.micro_batch_tokens
+        while not (budgets[-1][1] if budgets else updates[1]).fits and updates[0].fits and len(budgets) < 2:
+            budget //= 2  # fewer short rows per micro-batch; a longer sample is a micro-batch of one
+            rl = dataclasses.replace(cfg.rl, micro_batch_tokens=budget)
+            budgets.append((budget, update("short", dataclasses.replace(cfg, rl=rl))))
     if part in ("both", "engine"):
         engines = _aot_engine(cell, cfg, est, acc, topology, layers=layers)
         if printing:
             print("\n".join(aot.engine_table([e]).splitlines()[-1] for e in engines), flush=True)
-    return CellIteration(cell.name, updates, engines)
+    return CellIteration(cell.name, updates, engines, budgets)
 
 
 @dataclasses.dataclass(frozen=True)
 class CellIteration:
-    """A cell's compiled iteration: its update micro-batches (`aot.Compiled`) and its engine as planned, then
-    any refits (`aot.CompiledEngine`)."""
+    """A cell's compiled iteration: its update micro-batches (`aot.Compiled`), its engine as planned, then any
+    refits (`aot.CompiledEngine`), and the short micro-batch at smaller token budgets where the planned one
+    did not fit ((budget, `aot.Compiled`))."""
 
     cell: str
     updates: list
     engines: list
+    budgets: list = dataclasses.field(default_factory=list)
+
+    @property
+    def budget_refit(self):
+        """(token budget, short micro-batch) of the first smaller budget that fits, when the planned does not."""
+        return next(((b, u) for b, u in self.budgets if u.fits), None)
 
     @property
     def fits(self) -> bool:
         """Every program fits, the engine with the pool the cell's config plans."""
         return all(u.fits for u in self.updates) and (not self.engines or self.engines[0].fits)
+
+    @property
+    def engine(self):
+        """The engine the cell runs: as planned when it fits, else the refit that fits (None: neither)."""
+        return self.engines[0] if self.engines and self.engines[0].fits else self.refit
 
     @property
     def refit(self):
@@ -837,15 +872,22 @@ def iteration_table(rows: list[CellIteration], topology: str, *, recorded: bool 
             if not e.fits:
                 fit = r.refit
                 note = (f"refit: fits at {fit.plan.pages} pages × {fit.plan.ranks} ranks, {fit.plan.slots} slots "
-                        f"({gib(fit.total_bytes).strip()} GiB)" + (f", recorded in {POOLS_FILE.name}" if recorded
+                        f"({gib(fit.total_bytes).strip()} GiB)" + (f", recorded in {FITS_FILE.name}" if recorded
                                                                      else "") if fit else "no refit fits")
             shape = f"{e.plan.ranks}×{e.plan.slots} slots, {e.plan.pages} pages/rank, ctx {e.plan.context}"
             lines.append(f"{r.cell:38} {'engine':13} {shape:44} {gib(e.total_bytes)} {gib(e.hbm_bytes)} "
                          f"{'yes' if e.fits else 'NO':>4} {sum(x.compile_s for x in r.engines):5.0f}  {note}")
         for u in r.updates:
-            shape = f"{u.role} {u.rows}×{u.length} (R {u.response})"
+            shape, note = f"{u.role} {u.rows}×{u.length} (R {u.response})", ""
+            if u.name == "update/short" and r.budgets:
+                fit = r.budget_refit
+                note = (f"refit: fits at micro_batch_tokens={fit[0]} ({fit[1].rows}×{fit[1].length}, "
+                        f"{gib(fit[1].total_bytes).strip()} GiB)" + (f", recorded in {FITS_FILE.name}" if recorded
+                                                                     else "") if fit else "no smaller budget fits")
             lines.append(f"{r.cell:38} {u.name:13} {shape:44} {gib(u.total_bytes)} {gib(u.hbm_bytes)} "
-                         f"{'yes' if u.fits else 'NO':>4} {u.compile_s:5.0f}")
+                         f"{'yes' if u.fits else 'NO':>4} "
+                         f"{u.compile_s + sum(b[1].compile_s for b in r.budgets if u.name == 'update/short'):5.0f}"
+                         f"  {note}")
         peak = max([u.total_bytes for u in r.updates] + [e.total_bytes for e in r.engines[:1]], default=0)
         lines.append(f"{r.cell:38} {'= cell':13} {'largest program':44} {gib(peak)} {'':6} "
                      f"{'yes' if r.fits else 'NO':>4}")

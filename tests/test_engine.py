@@ -321,7 +321,10 @@ def test_decode_paths_equal_gather_attention(model, att, ranks):
     1e-5. The dense-copy paths keep their copy from chunk to chunk: they gather fewer rows than they
     decode."""
     if att == "cpu_kernel" and cpu_attention.unavailable():
-        pytest.skip(f"the CPU decode-attention kernel cannot be built here: {cpu_attention.unavailable()}")
+        reason = f"the CPU decode-attention kernel cannot be built here: {cpu_attention.unavailable()}"
+        if os.environ.get("CI") == "true":  # CI installs g++ (.ci/run): the kernel path must be tested there
+            pytest.fail(f"CI must run the kernel path: {reason}")
+        pytest.skip(reason)
     sp = SamplingParams(max_new_tokens=17, temperature=1.0, top_k=20, seed=3)
     stop = Engine(model, num_slots=2 * ranks, ranks=ranks).generate(PROMPTS, sp).tokens[3][2]
     sp = dataclasses.replace(sp, stop_token_ids=(stop,))

@@ -274,3 +274,59 @@ def test_a_compiled_decode_step_replaces_the_models():
     assert head([est]).startswith("# decode step: roofline model;")
     assert head([compiled]).startswith("# decode step: compiled engine's cost analysis (--aot);")
     assert "compiled engine's cost analysis (--aot) for 1 of 2 cells, roofline model for 1 of 2 cells" in head([compiled, est])
+
+
+def test_repeated_cell_flags_each_count(capsys):
+    """`--cell A --cell B C` takes all three (argparse's last-flag-wins dropped A), in the order given."""
+    names = ["voting-math-qwen3-0.6b-shared", "single-code-qwen3-4b", "eval_opt-math-qwen3-1.7b-isolated"]
+    matrix.main(["--dry-run", "--cell", names[0], "--cell", *names[1:]])
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if not line.startswith(("#", "cell"))]
+    assert rows == names
+
+
+def test_recorded_fits_plan_the_cells_configs(tmp_path, monkeypatch):
+    """What an AOT refit records (`record_fit`: pages per rank, the update's token budget) is what the cell's
+    engine plan and config then take on that accelerator, and only there."""
+    monkeypatch.setattr(matrix, "FITS_FILE", tmp_path / "aot_fits.yaml")
+    cell = next(c for c in matrix.cells() if c.name == "eval_opt-math-qwen3-4b-isolated")
+    acc, h100 = matrix.ACCELERATORS["v5e-8"], matrix.ACCELERATORS["h100"]
+    planned = matrix.estimate(cell, acc)
+    assert matrix.cell_config(planned, acc).rl.micro_batch_tokens == matrix.longest_row(cell)
+    matrix.record_fit("v5e-8", cell.name, "pages", planned.engine.pages - 100)
+    matrix.record_fit("v5e-8", cell.name, "micro_batch_tokens", matrix.longest_row(cell) // 2)
+    refit = matrix.estimate(cell, acc)
+    cfg = matrix.cell_config(refit, acc)
+    assert refit.engine.pages == planned.engine.pages - 100
+    assert cfg.rl.micro_batch_tokens == matrix.longest_row(cell) // 2
+    assert cfg.sampling.max_cache_tokens == (planned.engine.pages - 101) * planned.engine.page_size
+    assert matrix.cell_config(matrix.estimate(cell, h100), h100).rl.micro_batch_tokens == matrix.longest_row(cell)
+
+
+def test_a_cell_fits_only_as_planned_and_the_table_names_its_refits():
+    """`CellIteration.fits` needs every program to fit, the engine with its planned pool and the short
+    micro-batch at the planned budget; a refit that fits is named on its program's line, not counted as
+    fitting."""
+    from types import SimpleNamespace as NS
+    gib = 2 ** 30
+    plan = NS(ranks=8, slots=10, pages=3000, context=31020)
+
+    def program(name, gb, rows=8):
+        return NS(name=name, role="generator", rows=rows, length=768, response=256, total_bytes=gb * gib,
+                  hbm_bytes=16 * gib, fits=gb <= 15.75, compile_s=1.0)
+
+    def engine(gb, pages=3000):
+        return NS(plan=NS(**{**vars(plan), "pages": pages}), total_bytes=gb * gib, hbm_bytes=16 * gib,
+                  fits=gb <= 15.75, compile_s=1.0)
+
+    fine = matrix.CellIteration("a", [program("update/long", 15.6), program("update/short", 11.4)], [engine(15.5)])
+    short = matrix.CellIteration("b", [program("update/long", 15.6), program("update/short", 16.2)], [engine(15.5)],
+                                 [(16384, program("update/short", 11.4, rows=160))])
+    pool = matrix.CellIteration("c", [program("update/long", 9.0), program("update/short", 9.0)],
+                                [engine(16.3), engine(15.6, pages=2800)])
+    assert fine.fits and not short.fits and not pool.fits
+    assert short.budget_refit[0] == 16384 and pool.refit.plan.pages == 2800 and pool.engine is pool.refit
+    text = matrix.iteration_table([fine, short, pool], "v5e-8", recorded=True)
+    verdicts = [line.split()[-1] for line in text.splitlines() if "= cell" in line]
+    assert verdicts == ["yes", "NO", "NO"]
+    assert "refit: fits at micro_batch_tokens=16384 (160×768, 11.40 GiB), recorded in aot_fits.yaml" in text
+    assert "refit: fits at 2800 pages × 8 ranks, 10 slots (15.60 GiB), recorded in aot_fits.yaml" in text
