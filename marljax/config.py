@@ -200,6 +200,7 @@ class RLSection:
     remat: str = StepConfig.remat  # backward-pass recompute (models.decoder.REMAT): full | dots | none
     attention: str = StepConfig.attention  # models.attention.ATTENTIONS: auto | dense | blockwise | cudnn | splash
     micro_batch_tokens: int = StepConfig.micro_batch_tokens  # per data-parallel rank and forward/backward; 0: off
+    micro_batch_rows: int = StepConfig.micro_batch_rows  # … and at most this many rows per rank; 0: no cap
 
     def loss(self) -> LossConfig:
         return LossConfig(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip, agg=self.agg)
@@ -219,7 +220,7 @@ class RLSection:
             damping_lambda=self.damping_lambda, damping_ema=self.damping_ema,
             logprob_temperature=self.logprob_temperature or temperature or 1.0, lora_scale=lora_scale,
             minibatch=self.minibatch, minibatch_size=self.minibatch_size, remat=self.remat, attention=self.attention,
-            micro_batch_tokens=self.micro_batch_tokens)
+            micro_batch_tokens=self.micro_batch_tokens, micro_batch_rows=self.micro_batch_rows)
 
     def check(self, roles: tuple[str, ...]) -> None:
         registered("rl.estimator", self.estimator, get_estimator)

@@ -579,8 +579,9 @@ def cell_config(est: Estimate, acc: Accelerator, data_root: str = "data") -> Con
     """The run config of a cell: the paper's settings (the config's defaults, resolved for the cell's task
     and workflow) with the cell's choices, the estimate's mesh, the rollout engine of `engine_plan` (one
     page pool per batch rank: `sampling.max_cache_tokens` and `num_slots` are one rank's; an isolated
-    cell's LoRA sets in one batch, `sampling.mix_sets`), and micro-batches of at most one longest row per
-    data-parallel chip."""
+    cell's LoRA sets in one batch, `sampling.mix_sets`), and micro-batches of at most one longest row's
+    positions per data-parallel chip (or the budget `--aot-record` found to fit) and the rows of the short
+    micro-batch the AOT compile proves."""
     c, cfg = est.cell, Config()
     cfg.model, cfg.dtype, cfg.policy, cfg.steps = c.model, acc.dtype, c.policy, est.steps
     cfg.run_dir = f"runs/matrix/{c.name}"
@@ -594,6 +595,10 @@ def cell_config(est: Estimate, acc: Accelerator, data_root: str = "data") -> Con
     # own pool and its own merged copy of the layers while the rollout has its rows in flight
     cfg.sampling.mix_sets = cfg.lora.enabled and c.n_sets > 1
     cfg.rl.micro_batch_tokens = recorded_fit(acc.name, c.name, "micro_batch_tokens") or longest_row(c)
+    # …and at most the rows of the short micro-batch the AOT compile proves (`aot.update_shapes`)
+    from marljax.aot import update_shapes
+    chips = est.mesh[0] * est.mesh[1]
+    cfg.rl.micro_batch_rows = update_shapes(c, cfg.rl.micro_batch_tokens, chips)["short"].rows // chips
     data, fsdp, tensor = est.mesh
     cfg.mesh = MeshConfig(data=data, fsdp=fsdp, tensor=tensor, rules="auto", lora="sharded")
     return resolve(cfg)

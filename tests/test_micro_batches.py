@@ -12,6 +12,7 @@ import optax
 import pytest
 
 from marljax.rl.step import Sample, StepConfig, Trainer, micro_batches, packed_tokens, train_batch
+from marljax.shapes import bucket_rows
 from test_step import LORA, _adapter, _model
 
 ROUTES = {"shared": (("generator", "s"), ("aggregator", "s")),
@@ -73,3 +74,14 @@ def test_micro_batches_respect_the_budget_and_keep_every_sample_once():
         assert all(packed_tokens(mb) <= budget or len(mb) == 1 for mb in mbs)
     assert len(micro_batches(samples, 1)) == len(samples)  # each sample alone when none fits
     assert micro_batches(samples, 0) == [samples] and len(micro_batches(samples, 10_000)) == 1
+
+
+def test_micro_batches_cap_their_rows():
+    """With `max_rows`, no micro-batch packs more rows than that (a token budget alone admits as many short
+    rows as fit), and every sample stays, once."""
+    samples = _samples()
+    assert max(bucket_rows(len(mb)) for mb in micro_batches(samples, 10_000)) > 2
+    for rows in (1, 2, 4):
+        mbs = micro_batches(samples, 10_000, rows)
+        assert sorted(id(s) for mb in mbs for s in mb) == sorted(id(s) for s in samples)
+        assert max(bucket_rows(len(mb)) for mb in mbs) <= rows

@@ -87,6 +87,7 @@ class StepConfig:
     remat: str = "full"  # decoder.REMAT: full | dots | none
     attention: str = "auto"  # models.attention.ATTENTIONS: auto | dense | blockwise | cudnn | splash
     micro_batch_tokens: int = 0  # per data-parallel rank, rows × positions of one forward/backward; 0: off
+    micro_batch_rows: int = 0  # per data-parallel rank, rows of one forward/backward (with micro_batch_tokens); 0: any
     logprob_bytes: int | None = None  # float32 logits per log-prob chunk and chip (None: LOGPROB_BYTES)
 
     def __post_init__(self):
@@ -99,6 +100,8 @@ class StepConfig:
         check_attention(self.attention)
         if not 0.0 <= self.damping_lambda <= 1.0:
             raise ValueError(f"rl.damping_lambda={self.damping_lambda} must be in [0, 1].")
+        if self.micro_batch_rows < 0:
+            raise ValueError(f"rl.micro_batch_rows={self.micro_batch_rows} must be ≥ 0 (0: no cap on rows).")
         if self.micro_batch_tokens < 0:
             raise ValueError(f"rl.micro_batch_tokens={self.micro_batch_tokens} must be ≥ 0 (0: one forward/backward "
                              "per role and mini-batch).")
@@ -487,15 +490,17 @@ def packed_tokens(samples: list[Sample]) -> int:
                                                                  + [2]) + 1)
 
 
-def micro_batches(samples: list[Sample], budget: int) -> list[list[Sample]]:
-    """One role's samples cut into micro-batches of at most `budget` packed tokens (`packed_tokens`),
-    longest first so each holds samples of similar length (little padding); a sample over the budget on
-    its own is a micro-batch of one. `budget` 0: one micro-batch."""
+def micro_batches(samples: list[Sample], budget: int, max_rows: int = 0) -> list[list[Sample]]:
+    """One role's samples cut into micro-batches of at most `budget` packed tokens (`packed_tokens`) and, with
+    `max_rows`, at most that many packed rows (`bucket_rows`: a token budget bounds rows × positions, not
+    rows), longest first so each holds samples of similar length (little padding); a sample over the budget
+    on its own is a micro-batch of one. `budget` 0: one micro-batch."""
     if budget <= 0 or not samples:
         return [samples]
     out: list[list[Sample]] = [[]]
     for s in sorted(samples, key=lambda s: len(s.prompt) + len(s.response), reverse=True):
-        if out[-1] and packed_tokens(out[-1] + [s]) > budget:
+        full = max_rows and bucket_rows(len(out[-1]) + 1) > max_rows
+        if out[-1] and (full or packed_tokens(out[-1] + [s]) > budget):
             out.append([])
         out[-1].append(s)
     return out
@@ -516,14 +521,15 @@ def train_batch(trainer: Trainer, state: TrainState, samples: list[Sample], lr: 
     mini-batches' metrics averaged (`step_metrics.average`). `seed`: the mini-batch shuffle (see
     `minibatches`); derive it from (run seed, step) so a resumed run repeats it. With
     `rl.micro_batch_tokens`, each role's part of a mini-batch is cut into micro-batches of at most that many
-    tokens per data-parallel rank (`ranks` of them share a micro-batch's rows) and their gradients add up
-    (`Trainer.accumulated_update`): the same update, in bounded memory."""
+    tokens (and `rl.micro_batch_rows` rows) per data-parallel rank (`ranks` of them share a micro-batch's
+    rows) and their gradients add up (`Trainer.accumulated_update`): the same update, in bounded memory."""
     cfg = trainer.cfg
     mbs = minibatches(samples, cfg, seed=seed)
     roles_present = sorted({s.role for s in samples})
     budget = cfg.micro_batch_tokens * ranks
     # every role appears in every call (empty → one all-masked row) so one compilation serves all
-    packed = [{r: [pack(m) for m in micro_batches(mb.get(r, []), budget)] for r in roles_present} for mb in mbs]
+    rows = cfg.micro_batch_rows * ranks
+    packed = [{r: [pack(m) for m in micro_batches(mb.get(r, []), budget, rows)] for r in roles_present} for mb in mbs]
     recompute_old = len(packed) > 1
     if recompute_old:  # old log-probs under the parameters before the first update (PPO semantics)
         packed = [_with_old_logprobs(trainer, state.params, mb) for mb in packed]
