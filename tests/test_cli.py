@@ -67,7 +67,7 @@ def test_print_config_is_fast_in_a_fresh_process():
 
 
 def test_a_run_names_its_base_and_departures_before_it_starts(capsys, monkeypatch):
-    def stop(cfg):
+    def stop(cfg, preemption=None):
         raise _Stop(cfg)
 
     monkeypatch.setattr(train, "train", stop)
