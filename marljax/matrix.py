@@ -716,6 +716,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{len(estimates)} configs and plan.md in {out}", file=sys.stderr)
 
 
+def _model_config(cfg: Config, layers: int | None = None) -> ModelConfig:
+    """The cell's model in its config's dtype; `layers` overrides the layer count (tests)."""
+    return dataclasses.replace(PRESETS[cfg.model], dtype=cfg.dtype, **({"num_layers": layers} if layers else {}))
+
+
 def update_bound(cell: Cell, cfg: Config, mesh: tuple[int, int, int], layers: int | None = None) -> float:
     """Bytes per chip that any micro-batch of the cell's update holds beyond the train state and the gradient
     sums, by the memory model: activations of `rl.micro_batch_tokens` packed positions per data-parallel chip
@@ -724,7 +729,7 @@ def update_bound(cell: Cell, cfg: Config, mesh: tuple[int, int, int], layers: in
     per chip. Holds while a chip's rows × V × 4 ≤ LOGPROB_BYTES (220 Qwen3 rows; a budget-sized micro-batch of
     the cells has at most 40)."""
     data, fsdp, tensor = mesh
-    model = dataclasses.replace(PRESETS[cfg.model], dtype=cfg.dtype, **({"num_layers": layers} if layers else {}))
+    model = _model_config(cfg, layers)
     budget = cfg.rl.micro_batch_tokens or longest_row(cell)
     return memory(model, dtype=cfg.dtype, n_sets=1, n_roles=1, rank=cfg.lora.rank, mesh=mesh, cache_rows=0,
                   cache_len=0, train_rows=data * fsdp, train_len=budget, response_len=budget).activations
@@ -733,7 +738,7 @@ def update_bound(cell: Cell, cfg: Config, mesh: tuple[int, int, int], layers: in
 def with_memory_model(r, cell: Cell, cfg: Config, layers: int | None = None):
     """A compiled micro-batch (`aot.Compiled`) with this module's memory model of the same step beside it."""
     data, fsdp, tensor = r.mesh
-    model = dataclasses.replace(PRESETS[cfg.model], dtype=cfg.dtype, **({"num_layers": layers} if layers else {}))
+    model = _model_config(cfg, layers)
     est = memory(model, dtype=cfg.dtype,
                  n_sets=len(from_config(cfg.policy, cell.roles).sets), n_roles=len(cell.roles),
                  rank=cfg.lora.rank, mesh=(data, fsdp, tensor), cache_rows=0, cache_len=0,
@@ -748,7 +753,7 @@ def _aot_engine(cell: Cell, cfg: Config, est: Estimate, acc: Accelerator, topolo
     set's adapter per row); while it does not fit (twice at most), again with the pool cut to the pages
     that fit (`aot.CompiledEngine.fit_pages`). Its compiles, the planned first."""
     from marljax import aot
-    model = dataclasses.replace(PRESETS[cell.model], dtype=cfg.dtype, **({"num_layers": layers} if layers else {}))
+    model = _model_config(cfg, layers)
     sets = cell.n_sets if cfg.sampling.mix_sets and cfg.lora.enabled else 0
     plan, out = est.engine, []
     for _ in range(3):
