@@ -681,6 +681,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.slices < 1:
         ap.error("--slices must be ≥ 1")
+    if args.aot_logprob_bytes is not None and args.aot_logprob_bytes < 1:
+        ap.error("--aot-logprob-bytes must be ≥ 1 (bytes of float32 logits per log-prob chunk and chip)")
     chosen = cells()
     if args.cell:
         unknown = sorted(set(args.cell) - {c.name for c in chosen})

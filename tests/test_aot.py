@@ -20,6 +20,12 @@ def test_aot_names_the_topologies_it_knows(capsys):
     assert e.value.code == 2 and "choose a TPU topology from ['v5e-8', 'v5p-8', 'v6e-8']" in capsys.readouterr().err
 
 
+def test_aot_refuses_a_logprob_budget_below_one_byte(capsys):
+    with pytest.raises(SystemExit) as e:
+        matrix.main(["--aot", "v5e-8", "--aot-logprob-bytes", "0", "--cell", "single-math-qwen3-0.6b"])
+    assert e.value.code == 2 and "--aot-logprob-bytes must be ≥ 1" in capsys.readouterr().err
+
+
 def test_cpu_runs_stay_on_the_cpu_with_libtpu_installed():
     """The test session's (and its subprocesses') jax runs on the CPU and an entry point that opts in keeps host memory,
     libtpu or not."""
