@@ -422,8 +422,8 @@ def _prefill(graphdef, state, layers, pages, tokens_nt, start_n, table_nw, last_
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("temperature", "top_p", "top_k"))
 def _first_tokens(graphdef, state, hidden_md, keys_mk, *, temperature, top_p, top_k):
     model = nnx.merge(graphdef, state)
-    return sample_rows(model.logits(hidden_md), keys_mk, jnp.zeros(hidden_md.shape[0], jnp.int32),
-                       temperature, top_p, top_k)
+    return sharding.replicate(sample_rows(model.logits(hidden_md), keys_mk, jnp.zeros(hidden_md.shape[0], jnp.int32),
+                                          temperature, top_p, top_k))  # the host reads them: on every host
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(3, 4),
@@ -498,4 +498,4 @@ def _decode_chunk(graphdef, state, layers, pages, dense, table_sw, token_s, pos_
     else:
         pages = kv
     c["steps"] = c.pop("i")
-    return pages, dense, c
+    return pages, dense, sharding.replicate(c)  # the host reads them: on every host
