@@ -1,23 +1,28 @@
 #!/usr/bin/env bash
 # Run one matrix cell on a Cloud TPU VM slice: create the slice, copy and install marljax on every
-# worker, train on all workers at once (one JAX process per host, joined by jax.distributed), fetch
-# the run dir from worker 0, delete the slice (also on failure, unless --keep).
+# worker, train on all workers at once (one JAX process per host, joined by jax.distributed) with the
+# run dir in a bucket, copy the run dir to --out, delete the slice (also on failure, unless --keep).
 #
-#   launch/tpu_vm.sh --cell voting-math-qwen3-0.6b-isolated [--accelerator v5e-8|v4-8]
-#       [--zone ZONE] [--project PROJECT] [--name VM] [--spot] [--keep] [--data DIR] [--out DIR]
-#       [--dry-run] [-- key=value ...]
+#   launch/tpu_vm.sh --cell voting-math-qwen3-0.6b-isolated --bucket gs://BUCKET/PATH
+#       [--accelerator v5e-8|v4-8|v6e-8|v5p-8] [--zone ZONE] [--project PROJECT] [--name VM] [--spot]
+#       [--keep] [--data DIR] [--out DIR] [--dry-run] [-- key=value ...]
 #
-# The cell's config comes from `python -m marljax.matrix`; `key=value` after `--` are extra
-# overrides for `python -m marljax.train`. --data copies a local dir (dapo-math-17k/, deepcoder/) to
-# the workers' marljax/data. --dry-run prints every command instead of running it.
+# The cell's config comes from `python -m marljax.matrix`, the slice's type and runtime from
+# marljax/launch_specs.py; `key=value` after `--` are extra overrides for `python -m marljax.train`.
+# The run dir is BUCKET/PATH/<cell>: a slice lost to --spot preemption loses no checkpoint, and the same
+# command run again resumes from the newest one. For many cells on many slices, with automatic recovery,
+# use `python -m marljax.matrix --emit skypilot` (docs/scale_out.md). --data copies a local dir
+# (dapo-math-17k/, deepcoder/) to the workers' marljax/data. --dry-run prints every command instead of
+# running it.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-CELL= ACCELERATOR=v5e-8 ZONE=us-west4-a PROJECT= NAME= SPOT=0 KEEP=0 DATA= OUT=runs DRY_RUN=0
+CELL= BUCKET= ACCELERATOR=v5e-8 ZONE=us-west4-a PROJECT= NAME= SPOT=0 KEEP=0 DATA= OUT=runs DRY_RUN=0
 EXTRA=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --cell) CELL=$2; shift 2 ;;
+    --bucket) BUCKET=${2%/}; shift 2 ;;
     --accelerator) ACCELERATOR=$2; shift 2 ;;
     --zone) ZONE=$2; shift 2 ;;
     --project) PROJECT=$2; shift 2 ;;
@@ -32,16 +37,20 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ -n "$CELL" ]] || { echo "--cell is required; python -m marljax.matrix --dry-run lists the cells" >&2; exit 2; }
-case "$ACCELERATOR" in
-  v5e-8) TYPE=v5litepod-8 RUNTIME=v2-alpha-tpuv5-lite ;;
-  v4-8) TYPE=v4-8 RUNTIME=tpu-ubuntu2204-base ;;
-  *) echo "--accelerator $ACCELERATOR: choose v5e-8 or v4-8" >&2; exit 2 ;;
-esac
+[[ "$BUCKET" == gs://?* ]] || { echo "--bucket ${BUCKET:-(missing)}: pass --bucket gs://BUCKET/PATH; the run" \
+  "dir lives there (BUCKET/PATH/$CELL), so a preempted or deleted slice loses no checkpoint" >&2; exit 2; }
 NAME=${NAME:-marljax-${CELL//./-}}
 NAME=${NAME:0:60}
 WORK=$(mktemp -d)
 # shellcheck source=launch/common.sh
 source "$REPO/launch/common.sh"
+VM=$(cd "$REPO" && "$PYTHON" -c 'import sys
+from marljax.launch_specs import LaunchSpecError, tpu_vm
+try:
+    print(*tpu_vm(sys.argv[1]))
+except LaunchSpecError as e:
+    sys.exit(str(e))' "$ACCELERATOR") || exit 2
+read -r TYPE RUNTIME <<< "$VM"
 
 GCLOUD=(gcloud compute tpus tpu-vm)
 WHERE=(--zone "$ZONE")
@@ -63,10 +72,10 @@ if [[ -n "$DATA" ]]; then
 fi
 
 TRAIN="cd marljax && MARLJAX_DISTRIBUTED=1 MARLJAX_CHECKPOINTS=\$HOME/checkpoints"
-TRAIN+=" .venv/bin/python -m marljax.train --config \$HOME/$(basename "$CONFIG") run_dir=runs/$CELL"
+TRAIN+=" .venv/bin/python -m marljax.train --config \$HOME/$(basename "$CONFIG") $(printf '%q' "run_dir=$BUCKET/$CELL")"
 for kv in "${EXTRA[@]}"; do TRAIN+=" $(printf '%q' "$kv")"; done
 run "${GCLOUD[@]}" ssh "$NAME" --worker=all "${WHERE[@]}" --command "$TRAIN"
 
 run mkdir -p "$OUT"
-run "${GCLOUD[@]}" scp --recurse "$NAME:marljax/runs/$CELL" "$OUT/" --worker=0 "${WHERE[@]}"
-echo "run dir: $OUT/$CELL"
+run gcloud storage cp --recursive "$BUCKET/$CELL" "$OUT/"
+echo "run dir: $BUCKET/$CELL (copied to $OUT/$CELL)"

@@ -5,6 +5,8 @@ step-time estimate for an accelerator, the mesh each cell would use, and a plan 
         [--length-fraction F | --lengths RUN_DIR]   # rollout hours also at a stated length distribution
     python -m marljax.matrix [--accelerator …] [--out DIR]          # DIR/<cell>.yaml + DIR/plan.md
     python -m marljax.matrix --cell voting-math-qwen3-1.7b-isolated --out DIR   # prints the YAML path
+    python -m marljax.matrix --emit skypilot DIR --bucket gs://B/matrix [--data-root gs://B/data]
+        # DIR/<cell>.yaml: a SkyPilot managed job per cell, run dir gs://B/matrix/<cell> (`marljax.launch_specs`)
     python -m marljax.matrix --aot v5e-8 [--cell NAME …] [--aot-part both|train|engine]
         # compile each cell's train step and rollout engine for a TPU topology (needs libtpu; `marljax.aot`)
 
@@ -54,9 +56,10 @@ import yaml
 
 from marljax.config import Config, load_config, resolve, to_dict
 from marljax.engine.engine import PREFILL_CHUNK_MIN, prefill_chunk
+from marljax.launch_specs import REMOTE_DATA, Job, LaunchSpecError, target, write_skypilot
 from marljax.models.decoder import LINEAR_AXES, ModelConfig
 from marljax.models.logprobs import LOGPROB_BYTES
-from marljax.models.presets import PRESETS
+from marljax.models.presets import HUB_IDS, PRESETS
 from marljax.policy_sampler import PAGE_SIZE
 from marljax.rl.policy_map import from_config
 from marljax.shapes import bucket, bucket_rows, length_bucket
@@ -677,8 +680,16 @@ def main(argv: list[str] | None = None) -> None:
                         "response at F × its cap, 0 < F ≤ 1 (the caps' columns stay: the upper bound)")
     stated.add_argument("--lengths", metavar="RUN_DIR", help="also price the rollouts at a run's per-role mean "
                         "response lengths, as fractions of its cap (RUN_DIR/metrics.jsonl, RUN_DIR/config.yaml)")
-    ap.add_argument("--data-root", default="data", help="directory holding dapo-math-17k/ and deepcoder/")
+    ap.add_argument("--data-root", default="data", help="directory holding dapo-math-17k/ and deepcoder/ "
+                    "(--emit: a local directory or gs:// URL the jobs mount)")
+    ap.add_argument("--emit", nargs=2, metavar=("ORCHESTRATOR", "DIR"), help="write DIR/<cell>.yaml, a job spec "
+                    "per cell for the orchestrator (skypilot: `sky jobs launch DIR/<cell>.yaml`), and the cells' "
+                    "configs in DIR/configs (marljax/launch_specs.py)")
+    ap.add_argument("--bucket", metavar="gs://BUCKET/PATH", help="--emit: the run dirs' root (a cell's: "
+                    "BUCKET/PATH/<cell>)")
     args = ap.parse_args(argv)
+    if args.bucket and not args.emit:
+        ap.error("--bucket goes with --emit (the jobs' run dirs); launch/tpu_vm.sh takes its own --bucket")
     if args.slices < 1:
         ap.error("--slices must be ≥ 1")
     if args.aot_logprob_bytes is not None and args.aot_logprob_bytes < 1:
@@ -698,24 +709,51 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(str(e))
     if args.aot:
         sys.exit(_aot(chosen, args, lengths))
-    if args.cell and len(args.cell) > 1 and not args.dry_run:
+    if args.cell and len(args.cell) > 1 and not (args.dry_run or args.emit):
         ap.error("writing configs takes one --cell (or none for all)")
     acc = ACCELERATORS[args.accelerator]
     estimates = [estimate(c, acc, args.steps, lengths) for c in chosen]
     if args.dry_run:
         print(table(estimates, acc, args.slices))
         return
-    out = pathlib.Path(args.out)
+    if args.emit:
+        try:
+            _emit(estimates, acc, args)
+        except LaunchSpecError as e:
+            ap.error(str(e))
+        return
+    paths = write_configs(estimates, acc, pathlib.Path(args.out), args.data_root, args.slices, plan=not args.cell)
+    if args.cell:
+        print(paths[0])
+    else:
+        print(f"{len(paths)} configs and plan.md in {args.out}", file=sys.stderr)
+
+
+def write_configs(estimates: list[Estimate], acc: Accelerator, out: pathlib.Path, data_root: str,
+                  slices: int, plan: bool = True) -> list[pathlib.Path]:
+    """Write out/<cell>.yaml per estimate (`cell_config`, datasets under `data_root`) and, with `plan`,
+    out/plan.md (the table on `slices`); the configs' paths."""
     out.mkdir(parents=True, exist_ok=True)
+    paths = []
     for e in estimates:
-        path = out / f"{e.cell.name}.yaml"
-        path.write_text(f"# marljax.matrix cell {e.cell.name} for {acc.name}\n"
-                        + yaml.safe_dump(to_dict(cell_config(e, acc, args.data_root)), sort_keys=False))
-        if args.cell:
-            print(path)
-    if not args.cell:
-        (out / "plan.md").write_text("```\n" + table(estimates, acc, args.slices) + "\n```\n")
-        print(f"{len(estimates)} configs and plan.md in {out}", file=sys.stderr)
+        paths.append(out / f"{e.cell.name}.yaml")
+        paths[-1].write_text(f"# marljax.matrix cell {e.cell.name} for {acc.name}\n"
+                             + yaml.safe_dump(to_dict(cell_config(e, acc, data_root)), sort_keys=False))
+    if plan:
+        (out / "plan.md").write_text("```\n" + table(estimates, acc, slices) + "\n```\n")
+    return paths
+
+
+def _emit(estimates: list[Estimate], acc: Accelerator, args) -> None:
+    """--emit: check the target first, then write the cells' configs (datasets at the jobs' mount) in
+    DIR/configs and a job spec per cell in DIR."""
+    orchestrator, out = args.emit[0], pathlib.Path(args.emit[1])
+    where = target(orchestrator, acc.name, args.bucket, args.data_root)
+    configs = write_configs(estimates, acc, out / "configs", REMOTE_DATA, args.slices)
+    jobs = [Job(e.cell.name, path, HUB_IDS[e.cell.model]) for e, path in zip(estimates, configs)]
+    specs = write_skypilot(jobs, where, out)
+    print(f"{len(specs)} {orchestrator} job specs in {out} (configs in {out / 'configs'}); launch one with "
+          f"`sky jobs launch {specs[0]}`", file=sys.stderr)
 
 
 def _model_config(cfg: Config, layers: int | None = None) -> ModelConfig:
