@@ -13,7 +13,7 @@ Data-parallel ranks (`ranks`, on a mesh: its batch ranks, `marljax.sharding.batc
 are split evenly over the ranks and each rank has its own page pool (`init_pages(..., ranks)`: on a mesh
 every chip holds its own rank's pages only); a sequence's pages come from its slot's rank and prompts
 are prefilled per rank (`marljax.engine.scheduler`). Prefill and decode batches are laid out in rank
-blocks: R blocks of equal rows, block r's page tables indexing pool r (`paged_attention.flat_pages`).
+blocks: R blocks of equal rows, block r's page tables indexing pool r (`kv_pages.per_rank`).
 
 Shapes are static per chunk and bucketed: prefill rows (per rank) and prompt length to powers of two,
 the decode rows (per rank: the busiest rank's running sequences, at most its slots; the tail of a call
@@ -289,11 +289,11 @@ class Stream:
                 prefix.hidden = hidden_nd[i]
             sched.prefilled(adm.prefill)
             stats.prefill_calls += calls
-        if adm.copy_src:
-            n = bucket(len(adm.copy_src))  # padded with null-page-onto-itself copies: few compiles
-            pad = [NULL_PAGE] * (n - len(adm.copy_src))
-            self.pages = copy_pages(self.pages, np.asarray(adm.copy_rank + pad, np.int32),
-                                    np.asarray(adm.copy_src + pad, np.int32), np.asarray(adm.copy_dst + pad, np.int32))
+        if adm.copy_src:  # in rank blocks, padded with null-page-onto-itself copies (few compiles)
+            at, n = rank_rows(adm.copy_rank, e.ranks)
+            src, dst = np.full((2, e.ranks * n), NULL_PAGE, np.int32)
+            src[at], dst[at] = adm.copy_src, adm.copy_dst
+            self.pages = copy_pages(self.pages, src, dst)
         if adm.members:
             rows = bucket(len(adm.members))
             hidden_md = jnp.stack([seq.prefix.hidden for _, seq in adm.members]
@@ -364,12 +364,13 @@ class Stream:
         if dense is not None and dense[0]["k"].shape[0] == rows and kept >= width:
             table = np.pad(table, ((0, 0), (0, kept - width)), constant_values=NULL_PAGE)
             fresh = [r for r, q in enumerate(seqs) if q is not None and q is not self.dense_seqs[r]]
-            if fresh:
-                n = bucket(len(fresh))
-                rows_f = np.full(n, rows, np.int32)
-                rows_f[: len(fresh)] = fresh
-                table_f = np.full((n, kept), NULL_PAGE, np.int32)
-                table_f[: len(fresh)] = table[fresh]
+            if fresh:  # in rank blocks (`refresh_dense`), padded with rows past the block (dropped)
+                per = rows // self.engine.ranks
+                at, n = rank_rows([r // per for r in fresh], self.engine.ranks)
+                rows_f = np.full(self.engine.ranks * n, per, np.int32)
+                rows_f[at] = [r % per for r in fresh]
+                table_f = np.full((self.engine.ranks * n, kept), NULL_PAGE, np.int32)
+                table_f[at] = table[fresh]
                 dense = refresh_dense(dense, self.pages, rows_f, table_f)
         else:
             dense = None  # freed before its successor is gathered

@@ -68,6 +68,7 @@ import numpy as np
 
 from marljax import sharding
 from marljax.engine import cpu_attention
+from marljax.engine.kv_pages import per_rank
 from marljax.models.attention import CACHE_LAYOUT, attention, segmented_attention, target_backend
 from marljax.models.decoder import cache_columns, cache_mask
 from marljax.models.precision import set_at
@@ -113,11 +114,10 @@ def interleave(k_btkd, v_btkd):
 
 
 def flat_pages(pool_rnpcd, page_table_bw):
-    """The pool as one page axis [R·N, page_size, 2K, Dh] and the rows' page ids in it [B, W]."""
+    """The pool as one page axis [R·N, page_size, 2K, Dh] and the rows' page ids in it [B, W]: for a
+    kernel that takes one page axis (run per shard, `per_shard`, where it holds its own pools only)."""
     R, N = pool_rnpcd.shape[:2]
     B = page_table_bw.shape[0]
-    if B % R:
-        raise ValueError(f"{B} rows cannot be split evenly over {R} rank pools.")
     return pool_rnpcd.reshape(R * N, *pool_rnpcd.shape[2:]), page_table_bw + rank_base(jnp.arange(B), B, R, N)[:, None]
 
 
@@ -127,19 +127,19 @@ def rank_base(rows, B: int, R: int, N: int):
 
 
 def write_pages(pool_rnpcd, new_btcd, page_table_bw, positions_bt):
-    """`pool` with new_btcd[b, t] written at position positions_bt[b, t] of row b's pages."""
-    pages_npcd, table_bw = flat_pages(pool_rnpcd, page_table_bw)
-    page_size = pages_npcd.shape[1]
-    page_bt = jnp.take_along_axis(table_bw, positions_bt // page_size, axis=1)
-    pages_npcd = set_at(pages_npcd, (page_bt, positions_bt % page_size), new_btcd)
-    return pages_npcd.reshape(pool_rnpcd.shape)
+    """`pool` with new_btcd[b, t] written at position positions_bt[b, t] of row b's pages (per rank)."""
+    def write(pages_npcd, new_btcd, table_bw, positions_bt):
+        page_size = pages_npcd.shape[1]
+        page_bt = jnp.take_along_axis(table_bw, positions_bt // page_size, axis=1)
+        return set_at(pages_npcd, (page_bt, positions_bt % page_size), new_btcd)
+    return per_rank(write, pool_rnpcd, new_btcd, page_table_bw, positions_bt, merge=False)
 
 
 def dense_cache(pool_rnpcd, page_table_bw):
     """Rows' pages as one dense cache in the decoder's `CACHE_LAYOUT` ({"k": [B, K, Dh, W·page_size], "v":
     [B, K, W·page_size, Dh]}, the forms `marljax.models.attention.attention` reads in place): column =
     position, as in the pages."""
-    return _dense(*flat_pages(pool_rnpcd, page_table_bw))
+    return per_rank(_dense, pool_rnpcd, page_table_bw)
 
 
 def _dense(pages_npcd, table_bw):
@@ -157,18 +157,15 @@ def gather_dense(pages, page_table_bw):
 
 @functools.partial(jax.jit, donate_argnums=0)
 def refresh_dense(dense, pages, rows_f, table_fw):
-    """The chunk path's dense caches of a decode chunk's B rows (one per layer, `dense_cache`) with rows
-    rows_f[i] gathered again from their pages table_fw[i] (pool-local ids of row rows_f[i]'s rank pool,
-    `flat_pages`; rows_f ≥ B are padding, dropped): a chunk whose other rows hold the sequences they
-    held in the chunk before reads what they wrote there. In place (`dense` is donated)."""
-    B = dense[0]["k"].shape[0]
-    R, N = pages[0]["kv"].shape[:2]
-    table_fw = table_fw + rank_base(jnp.minimum(rows_f, B - 1), B, R, N)[:, None]
-    out = []
-    for old, layer in zip(dense, pages):
-        fresh = _dense(layer["kv"].reshape(R * N, *layer["kv"].shape[2:]), table_fw)
-        out.append({name: set_at(old[name], rows_f, fresh[name], mode="drop") for name in old})
-    return out
+    """The chunk path's dense caches of a decode chunk's B rows (R rank blocks; one cache per layer,
+    `dense_cache`) with some rows gathered again from their pages: rows_f [R·n] and table_fw [R·n, W]
+    in R blocks of n, block r naming rows of rank block r (block-local; ≥ B / R: padding, dropped) and
+    their page ids in pool r. A chunk whose other rows hold the sequences they held in the chunk before
+    reads what they wrote there. In place (`dense` is donated), per rank (`per_rank`)."""
+    def refresh(pages_npcd, old, rows_f, table_fw):
+        fresh = _dense(pages_npcd, table_fw)
+        return {name: set_at(old[name], rows_f, fresh[name], mode="drop") for name in old}
+    return [per_rank(refresh, layer["kv"], old, rows_f, table_fw) for old, layer in zip(dense, pages)]
 
 
 def chunk_writes(new, first_b, last_b, steps: int):
@@ -231,7 +228,7 @@ LENGTH_GROUP_ROWS = 8
 def length_groups(held_r, ranks: int, most: int) -> tuple[np.ndarray, tuple[int, ...]]:
     """A decode chunk's rows (R rank blocks, `scheduler.batch`) in G groups by length: each rank block's
     rows sorted by the pages they hold (`held_r`) and cut into G equal parts, group g taking part g of
-    every block, rank-major (so its rows split evenly over the rank pools in order, as `flat_pages`
+    every block, rank-major (so its rows split evenly over the rank pools in order, as `kv_pages.per_rank`
     reads them). G: the largest power of two ≤ `most` that divides a block into parts of at least
     `LENGTH_GROUP_ROWS` rows (else 1: the rows in place). Returns the order (group g's rows are order[g·n:(g+1)·n]) and each
     group's page-table width (`page_bucket` of its rows' most pages)."""
@@ -251,8 +248,11 @@ def length_groups(held_r, ranks: int, most: int) -> tuple[np.ndarray, tuple[int,
 
 
 def gather_attention(q_bthd, pool_rnpcd, page_table_bw, positions_bt):
-    """Grouped-query attention of each query over its row's keys at positions ≤ its own (gathered)."""
-    return _gathered(q_bthd, *flat_pages(pool_rnpcd, page_table_bw), positions_bt)
+    """Grouped-query attention of each query over its row's keys at positions ≤ its own (gathered, per
+    rank: `per_rank`)."""
+    return per_rank(lambda pages_npcd, q_bthd, table_bw, positions_bt: _gathered(q_bthd, pages_npcd, table_bw,
+                                                                                positions_bt),
+                    pool_rnpcd, q_bthd, page_table_bw, positions_bt)
 
 
 def _gathered(q_bthd, pages_npcd, table_bw, positions_bt):

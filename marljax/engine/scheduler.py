@@ -84,8 +84,8 @@ class Sequence:
 
 @dataclasses.dataclass
 class Admission:
-    """What one admission round asks of the device: prefill `prefill` (new prefixes), copy page src[i]
-    onto dst[i] of rank copy_rank[i]'s pool, then draw the first token of each of `members` (slot,
+    """What one admission round asks of the device: prefill `prefill` (new prefixes), copy page
+    copy_src[i] onto copy_dst[i] of rank copy_rank[i]'s pool, then draw the first token of each of `members` (slot,
     sequence)."""
 
     prefill: list[Prefix]
@@ -98,7 +98,7 @@ class Admission:
 def rank_rows(ranks: list[int], num_ranks: int, cap: int | None = None) -> tuple[list[int], int]:
     """Rows in rank blocks for items of ranks `ranks` (in the order they fill their block): each item's
     row, and the rows per rank (the busiest rank's items rounded up to a power of two, at most `cap`);
-    block r is rows [r·per_rank, (r + 1)·per_rank), what `paged_attention.flat_pages` maps to pool r."""
+    block r is rows [r·per_rank, (r + 1)·per_rank), what `kv_pages.per_rank` pairs with pool r."""
     per_rank = bucket(max(np.bincount(ranks, minlength=num_ranks)))
     per_rank = per_rank if cap is None else min(per_rank, cap)
     rows, used = [], [0] * num_ranks
