@@ -5,7 +5,8 @@
 
 One small random Qwen3-style model (4 heads, 4 KV heads) computes logits, greedy samples and one
 LoRA train step (two roles, each on its own parameter set) on one device and under two meshes; a checkpoint
-written under the first mesh is restored under the second.
+written under the first mesh is restored under the second; the rollout engine's page operations stay on
+each rank's own chip.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from flax import nnx
 
 from marljax import sharding
 from marljax.checkpoint import Checkpointer
+from marljax.engine.kv_pages import copy_pages, init_pages
+from marljax.engine.paged_attention import gather_dense, refresh_dense, write_pages
 from marljax.models.decoder import Decoder, ModelConfig
 from marljax.models.lora import LoRAConfig, init_lora
 from marljax.rl.state import TrainState
@@ -128,6 +131,29 @@ def tree_rel(a, b) -> float:
     return float(num / den)
 
 
+def engine_pages(mesh_cfg: MeshConfig) -> dict:
+    """The rollout engine's page pools and the chunk path's dense copy of 64 rows on 8 rank pools: rows
+    per device, and whether any page gather, write, copy or refresh compiles to a collective."""
+    mesh = sharding.make_mesh(mesh_cfg)
+    rules = sharding.get_rules(mesh_cfg, mesh)
+    table = np.arange(64 * 4, dtype=np.int32).reshape(64, 4) % 15 + 1
+    pos = np.tile(np.arange(3, dtype=np.int32), (64, 1))
+    rows, fresh = np.zeros(16, np.int32), table[:16]
+    with sharding.use_mesh(mesh, rules):
+        pages = init_pages(CFG, 16, 4, ranks=8)
+        dense = gather_dense(pages, table)
+        new = jnp.ones((64, 3, 2 * CFG.num_kv_heads, CFG.head_dim))
+        programs = {"gather_dense": gather_dense.lower(pages, table),
+                    "write_pages": jax.jit(write_pages).lower(pages[0]["kv"], new, table, pos),
+                    "copy_pages": copy_pages.lower(pages, rows[:8], rows[:8] + 1),
+                    "refresh_dense": refresh_dense.lower(dense, pages, rows, fresh)}
+        collectives = {name: any(c in p.compile().as_text() for c in ("all-gather", "all-reduce", "all-to-all"))
+                       for name, p in programs.items()}
+    return {"pool_rows_per_device": pages[0]["kv"].addressable_shards[0].data.shape[0],
+            "dense_rows_per_device": dense[0]["k"].addressable_shards[0].data.shape[0],
+            "collectives": collectives}
+
+
 def main(ckpt_dir: str) -> None:
     assert jax.device_count() == 8, f"needs 8 devices, got {jax.device_count()} (set XLA_FLAGS)"
     ref = run(None)
@@ -155,6 +181,7 @@ def main(ckpt_dir: str) -> None:
                          "restored_on_target_sharding": same_sharding,
                          "written_wq_b_spec": str(a.params["a"]["wq"]["b"].sharding.spec),
                          "restored_wq_b_spec": str(restored.params["a"]["wq"]["b"].sharding.spec)}
+    out["engine"] = engine_pages(MESHES["data2_fsdp4"])
     print("RESULT " + json.dumps(out))
 
 

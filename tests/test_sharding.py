@@ -68,6 +68,15 @@ def test_checkpoint_written_under_one_mesh_restores_under_another(mesh_result):
     assert c["written_wq_b_spec"] != c["restored_wq_b_spec"]
 
 
+def test_engine_pages_and_dense_copies_stay_on_their_ranks_chip(mesh_result):
+    """8 rank pools of 64 decode rows on (data=2, fsdp=4): each chip holds its own pool and its 8 rows of
+    the chunk path's dense copy (a gather over the flat page axis replicated all 64 on every chip: 8x
+    the memory, the OOM of issue #45), and no page operation needs a collective."""
+    e = mesh_result["engine"]
+    assert e["pool_rows_per_device"] == 1 and e["dense_rows_per_device"] == 8, e
+    assert not any(e["collectives"].values()), e["collectives"]
+
+
 # ---- in-process (one device) -------------------------------------------------------------------------
 def _abstract(*sizes):
     return AbstractMesh(tuple(sizes), sharding.MESH_AXES)
