@@ -6,15 +6,18 @@ Two directories: RUN_DIR/checkpoints holds the newest `keep` states (resume); RU
 state of the best held-out eval (the cliff rollback's target, and `evaluate which=peak`). The peak
 directory keeps the newest peak plus the newest peak at or before the newest checkpoint: a run resumed
 from that checkpoint has that peak as its tracker's best step, and recomputes (and saves again) any later
-one. At most two states.
+one. At most two states. RUN_DIR may be a bucket (`marljax.storage`): Orbax writes the arrays through
+tensorstore and marks a finished gs:// step with commit_success.txt (no rename there).
 """
 from __future__ import annotations
 
 import contextlib
-import pathlib
 from typing import Any
 
 import orbax.checkpoint as ocp
+from etils import epath
+
+from marljax import storage
 
 WHICH = ("newest", "peak")
 
@@ -22,9 +25,9 @@ WHICH = ("newest", "peak")
 class Checkpointer:
     """Saves every `every` steps under RUN_DIR/checkpoints, keeping the newest `keep`; peaks under RUN_DIR/peak."""
 
-    def __init__(self, run_dir: str | pathlib.Path, every: int, keep: int):
+    def __init__(self, run_dir: epath.PathLike, every: int, keep: int):
         self.every = every
-        run_dir = pathlib.Path(run_dir).absolute()
+        run_dir = storage.absolute(run_dir)
         self.dir = run_dir / "checkpoints"
         self.peak_dir = run_dir / "peak"
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
@@ -91,7 +94,7 @@ class Checkpointer:
                 item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
         return step, out["state"]["params"]
 
-    def _find(self, step: int | None, which: str) -> tuple[int, pathlib.Path]:
+    def _find(self, step: int | None, which: str) -> tuple[int, epath.Path]:
         """(the step to restore: `step`, or the newest one of `which`; its directory)."""
         if which not in WHICH:
             raise ValueError(f"which={which!r}; choose one of {WHICH}.")
@@ -107,7 +110,7 @@ class Checkpointer:
 
 
 @contextlib.contextmanager
-def _mismatch(where: pathlib.Path, step: int):
+def _mismatch(where: epath.Path, step: int):
     """A restore that does not fit the target names the likely cause."""
     try:
         yield

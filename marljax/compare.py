@@ -9,21 +9,23 @@ condition's difference from the first condition is given ± √(se_a² + se_b²)
 independent means. The step-to-step noise inside a run is not counted twice: the seeds' spread carries it.
 
 Writes compare.md (the table, the runs behind each condition, the command) and, per metric, a PNG of the
-per-step mean over seeds of every condition with its seeds' range shaded.
+per-step mean over seeds of every condition with its seeds' range shaded. Run dirs and --out may be
+buckets (`gs://…`, see marljax.storage).
 """
 from __future__ import annotations
 
 import argparse
 import math
-import pathlib
 import re
 import sys
 from typing import Any
 
 import numpy as np
 import yaml
+from etils import epath
 
 from marljax.metrics import read_metrics
+from marljax.storage import save_figure
 
 
 def config_value(cfg: dict, key: str) -> Any:
@@ -66,7 +68,7 @@ class Condition:
         return [float(np.mean(list(s.values()))) for _, rec in self.runs if (s := run_series(rec, metric, steps))]
 
 
-def conditions(run_dirs: list[pathlib.Path], by: list[str]) -> list[Condition]:
+def conditions(run_dirs: list[epath.Path], by: list[str]) -> list[Condition]:
     """Runs grouped by their `by` values, in the order each condition first appears."""
     out: dict[str, Condition] = {}
     for d in run_dirs:
@@ -105,7 +107,7 @@ def table(conds: list[Condition], metrics: list[str], steps) -> str:
     return "\n".join(lines)
 
 
-def plot(conds: list[Condition], metric: str, out: pathlib.Path) -> pathlib.Path:
+def plot(conds: list[Condition], metric: str, out: epath.Path) -> epath.Path:
     """Per-step mean over seeds per condition (step 0, the base eval, included), the seeds' min–max shaded."""
     import matplotlib
     matplotlib.use("Agg")
@@ -124,20 +126,16 @@ def plot(conds: list[Condition], metric: str, out: pathlib.Path) -> pathlib.Path
     ax.set_ylabel(metric)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / (re.sub(r"[^A-Za-z0-9_.-]+", "_", metric) + ".png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / (re.sub(r"[^A-Za-z0-9_.-]+", "_", metric) + ".png"))
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m marljax.compare", description=__doc__.split("\n")[2])
-    p.add_argument("runs", nargs="+", type=pathlib.Path, help="run directories (metrics.jsonl + config.yaml)")
+    p.add_argument("runs", nargs="+", type=epath.Path, help="run directories (metrics.jsonl + config.yaml)")
     p.add_argument("--by", nargs="+", required=True, help="dotted config keys that define a condition")
     p.add_argument("--metric", nargs="+", required=True, help="metrics.jsonl keys to compare")
     p.add_argument("--steps", help="A:B, the training steps averaged (default: all)")
-    p.add_argument("--out", type=pathlib.Path, help="output directory (default: the first run's parent)")
+    p.add_argument("--out", type=epath.Path, help="output directory (default: the first run's parent)")
     args = p.parse_args(argv)
     try:
         steps = tuple(int(x) for x in args.steps.split(":")) if args.steps else None

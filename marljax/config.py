@@ -27,6 +27,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import yaml
+from etils import epath
 
 from marljax.engine.engine import CHUNK_STEPS, PREFILL_CHUNK_MIN
 from marljax.engine.paged_attention import PAGED_ATTENTIONS
@@ -43,6 +44,7 @@ from marljax.rl.schedules import SCHEDULES, lr_at
 from marljax.rl.step import MINIBATCH_MODES, ROLE_WEIGHTINGS, StepConfig, make_optimizer
 from marljax.sampling import SamplingParams
 from marljax.sharding import LORA_PLACEMENTS, RULES, MeshConfig
+from marljax.storage import is_remote
 from marljax.tasks.data import TASKS, task_kind
 from marljax.tasks.sandbox import MODES as SANDBOX_MODES
 from marljax.workflows import WORKFLOWS, Workflow, paper_limits, workflow_class
@@ -461,13 +463,14 @@ def _merged(base: dict, over: dict) -> dict:
     return out
 
 
-def read_yaml(path: str | pathlib.Path, _seen: tuple = ()) -> dict:
-    """A config file's mapping; a top-level `base: other.yaml` (relative to the file) is read first and
-    this file's keys override it, section by section."""
-    p = pathlib.Path(path)
+def read_yaml(path: epath.PathLike, _seen: tuple = ()) -> dict:
+    """A config file's mapping (a local path, or a URI such as a bucket run dir's config.yaml); a top-level
+    `base: other.yaml` (relative to the file) is read first and this file's keys override it, section by section."""
+    p = epath.Path(path)
     if not p.exists():
         raise ConfigError(f"Config file {p} does not exist; pass an existing YAML (see configs/).")
-    if p.resolve() in _seen:
+    here = p if is_remote(p) else pathlib.Path(p).resolve()  # a URI has no symlinks to resolve
+    if here in _seen:
         raise ConfigError(f"Config file {p} includes itself through `base:`.")
     data = yaml.safe_load(p.read_text()) or {}
     if not isinstance(data, dict):
@@ -475,7 +478,7 @@ def read_yaml(path: str | pathlib.Path, _seen: tuple = ()) -> dict:
     base = data.pop("base", None)
     if base is not None and not isinstance(base, str):
         raise ConfigError(f"Config file {p}: `base:` must be a path to another YAML, got {base!r}.")
-    return _merged(read_yaml(p.parent / base, (*_seen, p.resolve())), data) if base else data
+    return _merged(read_yaml(p.parent / base, (*_seen, here)), data) if base else data
 
 
 def load_config(config_file: str | None = None, overrides: list[str] = ()) -> Config:

@@ -6,9 +6,10 @@ evaluates a training run's parameter sets and routing: its newest checkpoint, or
 state of its best eval during training. `transfer=all|generators` with `workflow=W` is the paper's SA→MA
 transfer control: a single-agent run's set on every role of W, or on its solving roles with the base model
 on the supervisory ones. Checkpoint evals are also written to RUN_DIR/evals/<name>.json, where the report
-finds them. The base config is chosen as `train`'s: `--config FILE` (or the checkpoint's config.yaml); no
-arguments at all: configs/default.yaml; only key=value: the paper's settings. The first lines (stderr) name
-the base and the keys that depart from the paper's settings. The last line printed is `pass@1 = <float>`.
+finds them; RUN_DIR may be a bucket (`gs://…`, see marljax.storage). The base config is chosen as `train`'s:
+`--config FILE` (or the checkpoint's config.yaml); no arguments at all: configs/default.yaml; only
+key=value: the paper's settings. The first lines (stderr) name the base and the keys that depart from the
+paper's settings. The last line printed is `pass@1 = <float>`.
 """
 from __future__ import annotations
 
@@ -19,13 +20,13 @@ if __name__ == "__main__":  # the CLI keeps freed host memory: before anything i
 import argparse
 import dataclasses
 import json
-import pathlib
 import sys
 from typing import TYPE_CHECKING
 
 import yaml
+from etils import epath
 
-from marljax import compile_cache
+from marljax import compile_cache, storage
 from marljax.config import Config, ConfigError, cli_config, describe, load_config, resolve, to_dict
 from marljax.rl import policy_map as pm
 
@@ -76,7 +77,7 @@ class Evaluation:
         return self.policy.rollout_sampler(self.cfg, self.params, temperature)
 
 
-def build(checkpoint: pathlib.Path | None, config_file: str | None, overrides: list[str], which: str,
+def build(checkpoint: epath.Path | None, config_file: str | None, overrides: list[str], which: str,
           transfer: str | None) -> tuple[Evaluation, int | None]:
     """The Evaluation and the checkpoint step its parameters come from (None without a checkpoint: fresh
     parameters, the base model). Only parameters are restored, no optimizer state.
@@ -120,7 +121,7 @@ def build(checkpoint: pathlib.Path | None, config_file: str | None, overrides: l
     return Evaluation(cfg, policy, workflow, dict(policy_map.route), problems.eval, params), step
 
 
-def result(ev, cfg, checkpoint: pathlib.Path, step: int, which: str, transfer: str | None,
+def result(ev, cfg, checkpoint: epath.Path, step: int, which: str, transfer: str | None,
            overrides: list[str]) -> dict:
     """The JSON record of a checkpoint eval: what was evaluated, pass@1, and each problem's mean reward."""
     per_problem: dict[str, list[float]] = {}
@@ -132,7 +133,7 @@ def result(ev, cfg, checkpoint: pathlib.Path, step: int, which: str, transfer: s
             "rewards": {pid: sum(r) / len(r) for pid, r in per_problem.items()}}
 
 
-def result_path(checkpoint: pathlib.Path, workflow: str, which: str, transfer: str | None) -> pathlib.Path:
+def result_path(checkpoint: epath.Path, workflow: str, which: str, transfer: str | None) -> epath.Path:
     """RUN_DIR/evals/<which>.json, or transfer-<workflow>-<mode>-<which>.json for a transfer eval."""
     name = which if transfer is None else f"transfer-{workflow}-{transfer}-{which}"
     return checkpoint / "evals" / f"{name}.json"
@@ -141,12 +142,17 @@ def result_path(checkpoint: pathlib.Path, workflow: str, which: str, transfer: s
 def main(argv: list[str] | None = None) -> None:
     ap, args, overrides, short = parse(argv)
     compile_cache.enable()
-    checkpoint = pathlib.Path(short["checkpoint"]) if "checkpoint" in short else None
+    checkpoint = epath.Path(short["checkpoint"]) if "checkpoint" in short else None
     which, transfer = short.get("which", "newest"), short.get("transfer")
     config_file = args.config
+    if checkpoint is not None:
+        try:
+            storage.connect(checkpoint)
+        except storage.StorageError as e:
+            ap.exit(2, f"storage error: {e}\n")
     if checkpoint is not None and config_file is None:
         config_file = str(checkpoint / "config.yaml")
-        if not pathlib.Path(config_file).exists():
+        if not epath.Path(config_file).exists():
             ap.exit(2, f"checkpoint={checkpoint}: no config.yaml there; is it a marljax run directory?\n")
     try:
         cfg, base = cli_config(config_file, [*overrides, *TRANSFER_RESETS] if transfer else overrides)
@@ -173,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     for k, v in sorted(ev.metrics.items()):
         print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
     if args.out:
-        out = pathlib.Path(args.out)
+        out = epath.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.json").write_text(json.dumps(ev.metrics, indent=1))
         (out / "transcripts.jsonl").write_text("".join(json.dumps(t) + "\n" for t in ev.transcripts))

@@ -23,18 +23,19 @@ import collections
 import json
 import math
 import os
-import pathlib
 import re
 import sys
 from typing import Any
 
 import numpy as np
 import yaml
+from etils import epath
 
 from marljax.compare import mean_se
 from marljax.config import ConfigError, load_config, to_dict
 from marljax.metrics import read_metrics
 from marljax.rl.diagnostics import CliffConfig, detect_cliff
+from marljax.storage import save_figure
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -46,7 +47,7 @@ def _roles(records: list[dict], suffix: str) -> list[str]:
     return sorted({k.split("/")[1] for r in records for k in r if k.startswith("role/") and k.endswith(suffix)})
 
 
-def _config(run_dir: pathlib.Path) -> dict:
+def _config(run_dir: epath.Path) -> dict:
     """The run's config.yaml read back through `load_config` (as a resume reads it), so a key marljax gained
     after the run takes its default, which is what the run did; a config that no longer loads (a key since
     renamed) is read as written, with a note, and then a key it lacks is no difference (`conditions`)."""
@@ -60,9 +61,9 @@ def _config(run_dir: pathlib.Path) -> dict:
         return yaml.safe_load(path.read_text())
 
 
-def summarize(run_dir: str | pathlib.Path) -> dict[str, Any]:
+def summarize(run_dir: epath.PathLike) -> dict[str, Any]:
     """Base, peak, final, cliff and dominant role of one run, from its metrics.jsonl."""
-    run_dir = pathlib.Path(run_dir)
+    run_dir = epath.Path(run_dir)
     records = read_metrics(run_dir)
     cfg = _config(run_dir)
     steps, acc = _series(records, "eval/pass@1")
@@ -93,7 +94,7 @@ def summarize(run_dir: str | pathlib.Path) -> dict[str, Any]:
 PAIRED, UNPAIRED = "1 s.e. of the paired difference", "1 s.e., unpaired binomial: no paired eval transcripts"
 
 
-def _lift_noise(run_dir: pathlib.Path, base_step: int, final_step: int, base: float, final: float,
+def _lift_noise(run_dir: epath.Path, base_step: int, final_step: int, base: float, final: float,
                 sizes: list[float]) -> dict[str, Any]:
     """`noise` (one s.e. of final − base) and `noise_kind` (how it was computed; see the module docstring)."""
     paired = paired_se(run_dir / f"eval_step{base_step}.jsonl", run_dir / f"eval_step{final_step}.jsonl")
@@ -104,7 +105,7 @@ def _lift_noise(run_dir: pathlib.Path, base_step: int, final_step: int, base: fl
     return {}
 
 
-def problem_means(path: pathlib.Path) -> dict[str, float]:
+def problem_means(path: epath.Path) -> dict[str, float]:
     """Mean reward per problem id over the episodes (the k runs) of one eval's transcripts."""
     rewards: dict[str, list[float]] = {}
     for line in path.read_text().splitlines():
@@ -119,7 +120,7 @@ def mode(values: list[str]) -> str:
     return collections.Counter(values).most_common(1)[0][0]
 
 
-def paired_se(base_path: pathlib.Path, final_path: pathlib.Path) -> float | None:
+def paired_se(base_path: epath.Path, final_path: epath.Path) -> float | None:
     """std(d, ddof=1) / √n of the per-problem differences d (problem means, final − base); None unless
     both transcripts exist and cover the same ≥ 2 problems."""
     if base_path == final_path or not (base_path.exists() and final_path.exists()):
@@ -154,7 +155,7 @@ def _policy_name(policy: Any) -> str:
     return policy if isinstance(policy, str) else "custom"
 
 
-def plot_run(run_dir: pathlib.Path, out_dir: pathlib.Path) -> list[pathlib.Path]:
+def plot_run(run_dir: epath.Path, out_dir: epath.Path) -> list[epath.Path]:
     """Write the per-run PNGs; returns their paths."""
     import matplotlib
     matplotlib.use("Agg")
@@ -186,7 +187,7 @@ def plot_run(run_dir: pathlib.Path, out_dir: pathlib.Path) -> list[pathlib.Path]
             ax.plot(held_steps, held, "s--", ms=5, alpha=0.8, label=f"held-out {role} accuracy (own answers)")
     ax.set(title=f"{name}: accuracy", xlabel="training step", ylabel="accuracy / reward (0–1)")
     ax.legend(fontsize=8)
-    paths.append(_save(fig, out_dir / f"{name}_accuracy.png"))
+    paths.append(save_figure(fig, out_dir / f"{name}_accuracy.png"))
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     norms = []
@@ -207,7 +208,7 @@ def plot_run(run_dir: pathlib.Path, out_dir: pathlib.Path) -> list[pathlib.Path]
     else:
         a2.text(0.5, 0.5, "no parameter set is shared by two roles:\neach role's share is 1 by definition",
                 ha="center", va="center", transform=a2.transAxes)
-    paths.append(_save(fig, out_dir / f"{name}_gradients.png"))
+    paths.append(save_figure(fig, out_dir / f"{name}_gradients.png"))
 
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4))
     for role in _roles(records, "/length_mean"):
@@ -224,16 +225,8 @@ def plot_run(run_dir: pathlib.Path, out_dir: pathlib.Path) -> list[pathlib.Path]
         a3.plot(*_series(records, f"set/{s}/opt_steps"), "o-", label=s)
     a3.set(title="optimizer steps per set per training step", xlabel="training step", ylabel="steps")
     a3.legend(fontsize=8)
-    paths.append(_save(fig, out_dir / f"{name}_roles.png"))
+    paths.append(save_figure(fig, out_dir / f"{name}_roles.png"))
     return paths
-
-
-def _save(fig, path: pathlib.Path) -> pathlib.Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
-    plt.close(fig)
-    return path
 
 
 def _fmt(v: Any) -> str:
@@ -256,9 +249,9 @@ def vs_single(s: dict, summaries: list[dict]) -> float | None:
     return s["final"] - singles[0]["final"] if singles and "final" in s else None
 
 
-def read_evals(run_dir: str | pathlib.Path) -> list[dict]:
+def read_evals(run_dir: epath.PathLike) -> list[dict]:
     """A run's checkpoint evals (RUN_DIR/evals/*.json, written by `python -m marljax.evaluate checkpoint=`)."""
-    return [json.loads(p.read_text()) for p in sorted((pathlib.Path(run_dir) / "evals").glob("*.json"))]
+    return [json.loads(p.read_text()) for p in sorted((epath.Path(run_dir) / "evals").glob("*.json"))]
 
 
 def sa_transfer(s: dict, summaries: list[dict]) -> str | None:
@@ -385,10 +378,10 @@ def evals_table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_report(run_dirs: list[str | pathlib.Path], out: str | pathlib.Path | None = None) -> pathlib.Path:
-    """Write report.md (+ PNGs) into `out` (default: the single run's dir) and return its path."""
-    run_dirs = [pathlib.Path(d) for d in run_dirs]
-    out_dir = pathlib.Path(out) if out else run_dirs[0]
+def write_report(run_dirs: list[epath.PathLike], out: epath.PathLike | None = None) -> epath.Path:
+    """Write report.md (+ PNGs) into `out` (default: the single run's dir; local or a bucket) and return its path."""
+    run_dirs = [epath.Path(d) for d in run_dirs]
+    out_dir = epath.Path(out) if out else run_dirs[0]
     out_dir.mkdir(parents=True, exist_ok=True)
     summaries = [{**summarize(d), "evals": read_evals(d)} for d in run_dirs]
     parts = ["# marljax report", "", "## Conditions", "",

@@ -24,9 +24,7 @@ import argparse
 import dataclasses
 import json
 import math
-import pathlib
 import shlex
-import shutil
 import signal
 import sys
 import threading
@@ -36,11 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import yaml
+from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from marljax import compile_cache, sharding
+from marljax import compile_cache, sharding, storage
 from marljax.checkpoint import Checkpointer
 from marljax.config import Config, ConfigError, cli_config, describe, leaves, load_config, resolve, to_dict
 from marljax.metrics import MetricsLogger
@@ -181,7 +180,7 @@ class Run:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg = resolve(cfg)
-        self.run_dir = pathlib.Path(cfg.run_dir)
+        self.run_dir = epath.Path(cfg.run_dir)
         self.problems = build_problems(cfg)  # before the model: a sandbox that cannot grade fails fast
         self.policy = build_policy(cfg)
         self.workflow, self.policy_map = build_workflow(cfg)
@@ -342,7 +341,7 @@ def rollback(run: Run, ckpt: Checkpointer, step: int, record: dict) -> None:
           f"rolled back to step {peak_step}'s parameters and optimizer state; {then}", file=sys.stderr)
 
 
-def check_run_dir_config(run_dir: pathlib.Path, cfg: Config) -> None:
+def check_run_dir_config(run_dir: epath.Path, cfg: Config) -> None:
     """A resumed run must use the config it started with (except `steps`, which may grow, and `mesh`).
 
     The saved config is read back through `load_config`, so keys that marljax gained since the run began
@@ -365,14 +364,14 @@ def check_run_dir_config(run_dir: pathlib.Path, cfg: Config) -> None:
                           "Resume with the same config, or pick a new run_dir.")
 
 
-def clear_earlier_attempt(run_dir: pathlib.Path) -> list[str]:
+def clear_earlier_attempt(run_dir: epath.Path) -> list[str]:
     """Remove what an attempt that left no checkpoint wrote in run_dir (records, TensorBoard events, eval
     transcripts, report), so that starting afresh never logs a step twice; returns the names removed."""
     removed = []
     for path in [run_dir / "metrics.jsonl", run_dir / "tb", run_dir / "report.md",
                  *run_dir.glob("eval_step*.jsonl"), *run_dir.glob(f"{run_dir.name}_*.png")]:
         if path.is_dir():
-            shutil.rmtree(path)
+            path.rmtree()
         elif path.exists():
             path.unlink()
         else:
@@ -381,19 +380,21 @@ def clear_earlier_attempt(run_dir: pathlib.Path) -> list[str]:
     return removed
 
 
-def write_eval_transcripts(run_dir: pathlib.Path, step: int, ev) -> None:
+def write_eval_transcripts(run_dir: epath.Path, step: int, ev) -> None:
     """`eval_step{step}.jsonl`: one episode per line (problem id, run, reward, calls); the report pairs
     two evals' problems by them for the noise of the lift."""
     (run_dir / f"eval_step{step}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in ev.transcripts))
 
 
 def open_run(cfg: Config) -> tuple[Run, Checkpointer, MetricsLogger | _SilentLogger]:
-    """Build the run, record its config in run_dir and open its checkpoints and metrics log (an attempt
-    that left no checkpoint is cleared first)."""
+    """Build the run, record its config in run_dir (a local path or a bucket: `storage.connect` checks that
+    it answers, before anything is built) and open its checkpoints and metrics log (an attempt that left no
+    checkpoint is cleared first)."""
     if cfg.task.sandbox == "rlimits":
         print("task.sandbox=rlimits: model-written code runs with rlimits and a process group only, NO "
               "filesystem or network isolation", file=sys.stderr)
-    run_dir = pathlib.Path(cfg.run_dir)
+    run_dir = epath.Path(cfg.run_dir)
+    storage.connect(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     check_run_dir_config(run_dir, cfg)
     run = Run(cfg)
@@ -488,12 +489,12 @@ class Preemption:
 class Preempted(Exception):
     """`train` stopped on SIGTERM after saving the checkpoint of `step` in `where`."""
 
-    def __init__(self, step: int, where: pathlib.Path):
+    def __init__(self, step: int, where: epath.Path):
         super().__init__(step, where)
         self.step, self.where = step, where
 
 
-def train(cfg: Config, preemption: Preemption | None = None) -> pathlib.Path:
+def train(cfg: Config, preemption: Preemption | None = None) -> epath.Path:
     """Build, resume, then per step: rollout and update, eval on its cadence, log, checkpoint. On a
     `preemption` request, the step just logged is saved and `Preempted` raised, the writers closed."""
     preemption = preemption or Preemption()
@@ -574,6 +575,8 @@ def main(argv: list[str] | None = None) -> None:
             report = train(cfg, preemption)
     except DataError as e:  # a dataset missing or malformed: say which, without a traceback
         parser.exit(2, f"data error: {e}\n")
+    except storage.StorageError as e:  # a bucket run_dir that does not answer: one line, before any work
+        parser.exit(2, f"storage error: {e}\n")
     except Preempted as e:  # exit status 0: the run is not broken, and the same command resumes it
         command = shlex.join(["python", "-m", "marljax.train", *(sys.argv[1:] if argv is None else argv)])
         print(f"preempted (SIGTERM): stopped after step {e.step}, its checkpoint saved in {e.where}; "
