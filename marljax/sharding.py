@@ -17,7 +17,10 @@ import contextvars
 import dataclasses
 import math
 import os
+import sys
+import traceback
 from collections.abc import Callable, Iterator, Mapping
+from typing import NoReturn
 
 import jax
 import optax
@@ -309,6 +312,26 @@ def initialize_distributed(environ: Mapping[str, str] = os.environ) -> bool:
                                num_processes=int(num) if num else None,
                                process_id=int(pid) if pid else None)
     return True
+
+
+def exit_on_failure(error: BaseException, run_dir: str, command: str) -> NoReturn:
+    """End this process of a multi-process run at once after `error`: its traceback, then `exit_now`. A
+    process that dies takes its collectives with it and the others' next one may fail; exiting at once
+    skips `jax.distributed`'s shutdown barrier, which would wait out the heartbeat timeout (100 s) for the
+    dead process and then abort in C++."""
+    traceback.print_exception(error)
+    exit_now(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''} (on several processes "
+             "this most often means another one died; see its log)", run_dir, command)
+
+
+def exit_now(reason: str, run_dir: str, command: str) -> NoReturn:
+    """One line saying why this process stops and how to resume, then exit 1 at once (`os._exit`: no
+    shutdown barrier, no atexit hooks). The newest complete checkpoint stays the one to resume from."""
+    print(f"process {jax.process_index()} of {jax.process_count()} stopped: {reason}. The newest checkpoint in "
+          f"{run_dir} is complete: run the same command on every host again to resume: {command}",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def is_primary() -> bool:

@@ -47,6 +47,7 @@ from marljax.models import load_model, load_tokenizer
 from marljax.models.decoder import Decoder, trainable_params
 from marljax.models.lora import LoRAConfig, init_lora
 from marljax.models.tokenizer import ChatCodec
+from marljax.peer_watch import PeerWatch
 from marljax.policy_sampler import PolicySampler, SamplerSettings
 from marljax.rl import policy_map as pm
 from marljax.rl.advantages import compute_advantages
@@ -570,20 +571,27 @@ def main(argv: list[str] | None = None) -> None:
         return
     sharding.initialize_distributed()
     compile_cache.enable()
+    command = shlex.join(["python", "-m", "marljax.train", *(sys.argv[1:] if argv is None else argv)])
     try:
-        with Preemption() as preemption:
+        with (PeerWatch(lambda reason: sharding.exit_now(reason, cfg.run_dir, command), normal=(Preempted,)),
+              Preemption() as preemption):
             report = train(cfg, preemption)
     except DataError as e:  # a dataset missing or malformed: say which, without a traceback
         parser.exit(2, f"data error: {e}\n")
     except storage.StorageError as e:  # a bucket run_dir that does not answer: one line, before any work
         parser.exit(2, f"storage error: {e}\n")
     except Preempted as e:  # exit status 0: the run is not broken, and the same command resumes it
-        command = shlex.join(["python", "-m", "marljax.train", *(sys.argv[1:] if argv is None else argv)])
         print(f"preempted (SIGTERM): stopped after step {e.step}, its checkpoint saved in {e.where}; "
               f"resume with the same command: {command}", file=sys.stderr)
         return
+    except Exception as e:  # on several processes: most often a peer that died; exit now, not after 100 s
+        if jax.process_count() > 1:
+            sharding.exit_on_failure(e, cfg.run_dir, command)
+        raise
+    if not sharding.is_primary():  # process 0 writes and reports
+        return
     from marljax.report import summarize
-    s = summarize(report.parent) if sharding.is_primary() else {}
+    s = summarize(report.parent)
     if "final" in s:
         noise = f" ± {s['noise']:.3f} ({s['noise_kind']})" if "noise" in s else ""
         print(f"held-out pass@1: base {s['base']:.3f} → final {s['final']:.3f}, "

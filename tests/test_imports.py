@@ -14,7 +14,7 @@ PACKAGE = "marljax"
 # prefix listed here; a module none matches fails the test until it is placed.
 LAYERS: dict[str, str] = {
     "marljax.sharding": "core", "marljax.shapes": "core", "marljax.host_memory": "core",
-    "marljax.compile_cache": "core", "marljax.storage": "core",
+    "marljax.compile_cache": "core", "marljax.storage": "core", "marljax.peer_watch": "core",
     "marljax.models": "models",
     "marljax.sampling": "sampling", "marljax.static_sampler": "sampling", "marljax.policy_sampler": "sampling", "marljax.engine": "sampling",
     "marljax.tasks": "tasks",
