@@ -195,7 +195,9 @@ class RLSection:
     role_weighting: str = StepConfig.role_weighting  # rl.step.ROLE_WEIGHTINGS: count | equal | inverse_norm
     minibatch: str = StepConfig.minibatch  # paper (one optimizer step per M samples of a set) | balanced
     minibatch_size: int = StepConfig.minibatch_size
-    same_role_scale: bool = False  # weigh each of N parallel same-role agents 1/N
+    # true: a role with N parallel same-role agents (voters, workers) has its loss weight × 1/N after the role
+    # weighting, the same under Shared and Isolated policies, with the number of optimizer steps unchanged
+    same_role_scale: bool = False
     damping_lambda: float = StepConfig.damping_lambda  # I6: 1 − λ·clamp(cos(g, EMA g), 0, 1); paper λ ≤ 0.3
     damping_ema: float = StepConfig.damping_ema
     logprob_temperature: float | None = None  # None: the sampling temperature (as verl)

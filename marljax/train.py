@@ -259,7 +259,7 @@ class Run:
         if jax.process_count() > 1:  # rewards can differ across hosts (test timeouts): use process 0's
             advantage = multihost_utils.broadcast_one_to_all(np.asarray(advantage))
         samples = [Sample(str(c.role[i]), list(c.prompt_ids[i]), list(c.response_ids[i]), float(advantage[i]),
-                          sampler_logprobs=list(c.logprobs[i]))
+                          sampler_logprobs=list(c.logprobs[i]), agent=int(c.slot[i]))
                    for i in range(len(c.role)) if len(c.response_ids[i])]
         t1 = time.perf_counter()
         lr = cfg.optim.lr_at(step, cfg.steps) * self.lr_scale

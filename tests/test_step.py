@@ -1,5 +1,7 @@
 """The jitted RL step: same-role amplification and its mitigation, mini-batching (paper, balanced, mixed by
 a seeded shuffle), damping, guards, remat. Diagnostics against independent gradients: test_step_diagnostics.py."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +47,7 @@ def _delta(new, old):
 def _voting_update(n_voters, same_role_scale, episodes=4):
     """Isolated Voting-like batch: n identical-prompt voters (same samples, same advantages) + aggregator.
     Plain SGD: the update is lr × the gradient, so a wrong factor on it shows (Adam's first step would
-    normalise it away)."""
+    normalise it away). Returns the generator set's step delta and the step's record."""
     model = _model()
     opt = optax.chain(optax.identity(), optax.inject_hyperparams(optax.sgd)(learning_rate=0.0))
     base = _samples("generator", episodes, 11)
@@ -64,20 +66,27 @@ def _voting_update(n_voters, same_role_scale, episodes=4):
     assert m["set/agg/step_delta"] == pytest.approx(_delta(new["agg"], before["agg"]), rel=1e-5)
     # the aggregator set steps once: its mean update norm is that step's, not diluted by the voters' mini-batches
     assert m["set/agg/update_norm"] == pytest.approx(m["set/agg/step_delta"], rel=1e-5)
-    return delta, m["set/gen/opt_steps"], m["set/agg/opt_steps"]
+    assert m["set/agg/opt_steps"] == 1
+    return delta, m
 
 
-def test_same_role_amplification_and_its_mitigation():
-    """Paper mini-batching: N voters → N optimizer steps and a growing update; same_role_scale removes it."""
+def test_same_role_amplification_and_same_role_scale():
+    """Paper mini-batching: N voters → N optimizer steps and a growing update. same_role_scale weighs the
+    voters' loss 1/N on their own (Isolated) set too — G = g_r / N, the SGD update 1/N as long — and keeps
+    the N steps (it used to cancel in the per-set normalisation and cut the steps to one instead)."""
     results = {n: _voting_update(n, False) for n in (1, 2, 4)}
-    assert [results[n][1] for n in (1, 2, 4)] == [1, 2, 4]
-    assert all(results[n][2] == 1 for n in (1, 2, 4))
+    assert [results[n][1]["set/gen/opt_steps"] for n in (1, 2, 4)] == [1, 2, 4]
     norms = [results[n][0] for n in (1, 2, 4)]
     assert norms[1] > 1.5 * norms[0] and norms[2] > 1.5 * norms[1], norms
-    scaled = {n: _voting_update(n, True) for n in (2, 4)}
     for n in (2, 4):
-        assert scaled[n][1] == 1
-        assert scaled[n][0] == pytest.approx(norms[0], rel=1e-4)
+        delta, m = _voting_update(n, True)
+        assert m["set/gen/opt_steps"] == n
+        assert m["role/generator/weight"] == pytest.approx(1 / n, rel=1e-6)
+        assert m["set/gen/grad_norm"] == pytest.approx(m["role/generator/grad_norm"] / n, rel=1e-5)
+        # the same N steps 1/N as long; the two runs' later gradients differ by the unscaled run's larger
+        # earlier steps (lr 1e-3): 1.2e-3 relative at N = 2, 5.7e-3 at N = 4, so 2e-2
+        assert delta == pytest.approx(results[n][0] / n, rel=2e-2)
+        assert m["role/aggregator/weight"] == pytest.approx(1.0, rel=1e-6)  # a role without parallel agents
 
 
 def test_inverse_norm_gives_equal_mass_and_damping_reduces_coherent_role():
@@ -158,16 +167,14 @@ def test_paper_minibatches_mix_the_roles_of_a_shared_set():
     assert [sorted(mb) for mb in minibatches(samples, cfg)] == [["generator"]] * 3 + [["aggregator"]]
 
 
-def test_same_role_scale_sizes_shuffled_minibatches_by_effective_count():
-    """With same_role_scale 1/3, 1536 voter samples count as 512: n_eff = 1024 → 2 mini-batches of 512
-    effective samples each, still mixed."""
+def test_same_role_scale_keeps_the_minibatches():
+    """same_role_scale changes loss weights only: 1536 voter + 512 aggregator samples on one set, M = 512,
+    cut into the same 4 mini-batches with it as without."""
     samples = _tagged("generator", 1536) + _tagged("aggregator", 512)
-    cfg = StepConfig(route=(("generator", "s"), ("aggregator", "s")), minibatch="paper", minibatch_size=512,
-                     role_scale=(("generator", 1 / 3),))
-    mbs = minibatches(samples, cfg, seed=7)
-    assert len(mbs) == 2
-    assert [(len(mb["generator"]), len(mb["aggregator"])) for mb in mbs] == [(768, 256)] * 2  # n_eff 512 each
-    assert sorted(t for tags in _tags(mbs) for t in tags) == sorted(s.prompt[0] for s in samples)
+    cfg = StepConfig(route=(("generator", "s"), ("aggregator", "s")), minibatch="paper", minibatch_size=512)
+    scaled = dataclasses.replace(cfg, role_scale=(("generator", 1 / 3),))
+    assert len(minibatches(samples, scaled, seed=7)) == 4
+    assert _tags(minibatches(samples, scaled, seed=7)) == _tags(minibatches(samples, cfg, seed=7))
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])

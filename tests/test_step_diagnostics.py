@@ -119,10 +119,10 @@ def expected_metrics(cfg: StepConfig, lora: bool) -> tuple[dict, dict]:
     scale, out, g_set = dict(cfg.role_scale), {}, {}
     for set_name in cfg.sets:
         roles = [r for r in cfg.roles if cfg.set_of(r) == set_name]
-        raw = {"count": {r: len(SAMPLES[r]) * scale.get(r, 1.0) for r in roles},
+        raw = {"count": {r: len(SAMPLES[r]) for r in roles},
                "equal": {r: 1.0 for r in roles},
                "inverse_norm": {r: 1.0 / norm[r] for r in roles}}[cfg.role_weighting]
-        c = {r: raw[r] / sum(raw.values()) for r in roles}
+        c = {r: raw[r] / sum(raw.values()) * scale.get(r, 1.0) for r in roles}  # same_role_scale after normalising
         mass = {r: c[r] * norm[r] for r in roles}
         G = g_set[set_name] = sum(c[r] * g[r] for r in roles)
         for r in roles:
@@ -145,6 +145,7 @@ CASES = {  # every policy, weighting and weight type; role_scale where it matter
     "shared-full-inverse_norm-role_scale": (SHARED, False, "inverse_norm", SCALE),
     "isolated-lora-equal": (ISOLATED, True, "equal", ()),
     "isolated-full-count": (ISOLATED, False, "count", ()),
+    "isolated-lora-count-role_scale": (ISOLATED, True, "count", SCALE),
 }
 
 
@@ -170,8 +171,9 @@ def test_diagnostics_match_independent_gradients(case):
         mixed = reference_grad(lora, ROLES)
         assert np.linalg.norm(g_set["s"] - mixed) <= TOL * np.linalg.norm(mixed)
         assert m["role/generator/weight"] == pytest.approx(6 / 8, rel=TOL)
-    if weighting == "count" and role_scale:  # 6 voter samples count as 2: weights 1/2, 1/2
-        assert m["role/generator/weight"] == pytest.approx(0.5, rel=TOL)
+    if weighting == "count" and role_scale:  # the voters' weight is 1/3 of their unscaled one, shared or alone
+        assert m["role/generator/weight"] == pytest.approx((6 / 8 if route == SHARED else 1.0) / 3, rel=TOL)
+        assert m["role/aggregator/weight"] == pytest.approx(2 / 8 if route == SHARED else 1.0, rel=TOL)
 
 
 def test_update_share_attributes_the_adamw_step():

@@ -8,7 +8,8 @@ For every role r the step computes its loss L_r and gradient g_r w.r.t. its own 
 `params[route[r]]`, then for every set combines G = Σ_r c_r g_r with c_r = w_r · d_r:
   w_r  role weight: `count` (denominator share — Σ_r w_r L_r is then exactly the plain mixed-batch
        loss of the set), `equal` (1/R), or `inverse_norm` (∝ 1/‖g_r‖, equal mass per role);
-       `same_role_scale` multiplies a role's count by 1/N for its N parallel same-role agents;
+       then × 1/N for a role of N parallel same-role agents under `same_role_scale` (after the
+       normalisation: the same 1/N whether the role shares its set or not; the optimizer steps unchanged);
   d_r  coherence damping (the paper's I6): 1 − λ·clamp(cos(g_r, EMA(g_r)), 0, 1).
 Then clip + AdamW per set (optax). Diagnostics, per mini-batch (fields of `RoleMetrics`, `SetMetrics`):
   `grad_norm`     ‖g_r‖, the role's own gradient (its loss alone, on its samples of the mini-batch);
@@ -20,7 +21,13 @@ Then clip + AdamW per set (optax). Diagnostics, per mini-batch (fields of `RoleM
                   roles by linearity. Under plain SGD (U ∝ −G) it is ⟨c_r g_r, G⟩ / ‖G‖²; it differs from
                   `grad_share` when roles' gradients conflict (a role can take a negative share) and when
                   Adam rescales coordinates unequally;
-  `cos/<r1>/<r2>` cos(g_r1, g_r2) between roles on one set.
+  `cos/<r1>/<r2>` cos(g_r1, g_r2) between roles on one set;
+  `agent_grad_cos` mean pairwise cos between the gradients of a role's agents (`Sample.agent`: its voter /
+                  worker slots), each the role's loss on that agent's samples alone; averaged over the
+                  mini-batches where the role has ≥ 2 agents;
+  `minibatch_grad_cos` mean pairwise cos between a role's g_r of the mini-batches of one training step
+                  (each at the parameters its step started from), for a role in ≥ 2 mini-batches.
+                  Both are `marljax.rl.coherence`; a role with one agent / one mini-batch has none.
 `logp_gap` / `logp_gap_max`: mean / max |sampler logprob − trainer logprob| over a role's response
 tokens that carry the sampler's logprob, both at the rollout's parameters (the trainer's current ones
 with one mini-batch, its pre-update `old_logp_br` with several) and the same tempered distribution: the
@@ -50,6 +57,8 @@ from flax import nnx
 from marljax.models.attention import check_attention
 from marljax.models.decoder import REMAT, Decoder
 from marljax.models.logprobs import target_logprobs
+from marljax.rl.coherence import Coherence, mean_cos
+from marljax.rl.coherence import add as coherence_add
 from marljax.rl.losses import LossConfig, metric_weight, sequence_losses
 from marljax.rl.state import TrainState, with_learning_rate
 from marljax.rl.step_metrics import BatchMetrics, RoleMetrics, SetMetrics, StepMetrics, average
@@ -198,6 +207,7 @@ class Trainer:
         self._apply_jit = jax.jit(self._apply, donate_argnums=(0,), **extra)
         self._part_jit = jax.jit(self._role_part, static_argnames=("role", "recompute_old"))
         self._add_jit = jax.jit(RolePart.__add__, donate_argnums=(0,))
+        self._finish_jit = jax.jit(RolePart.finish)
         self._logprobs_jit = jax.jit(self._all_logprobs)
 
     def init_state(self, params: dict) -> TrainState:
@@ -215,15 +225,43 @@ class Trainer:
         """The same step as `update` with each role's mini-batch given as micro-batches (`micro_batches`):
         one jitted forward/backward per micro-batch adds into the role's sums, then one jitted call turns
         them into the roles' gradients and takes the optimizer steps. Donates `state`."""
-        grads = {}
-        for role, batches in micro.items():
-            trainable = state.params[self.cfg.set_of(role)]
-            total = None
-            for batch in batches:
-                part = self._part_jit(self.base_state, trainable, batch, role=role, recompute_old=recompute_old)
-                total = part if total is None else self._add_jit(total, part)
-            grads[role] = total
+        grads = {role: self._role_sum_over(state, role, batches, recompute_old) for role, batches in micro.items()}
         return self._apply_jit(state, grads, lr)
+
+    def agent_update(self, state: TrainState, micro: dict[str, list[RoleBatch]], agents: dict[str, list[int]], lr,
+                     *, recompute_old, coherence: dict[str, Coherence]
+                     ) -> tuple[TrainState, StepMetrics, dict[str, float]]:
+        """`accumulated_update` with each role's micro-batches labelled by agent (`agents`, parallel to `micro`;
+        one agent's micro-batches adjacent): the roles' gradients and the step are the same, and it also
+        returns the mean pairwise cosine between the agents' gradients per role with ≥ 2 agents
+        (`agent_grad_cos`), and adds each role named in `coherence` to its running mini-batch cosine."""
+        grads, agent_cos = {}, {}
+        for role, batches in micro.items():
+            labels = agents[role]
+            per_agent = Coherence.zeros_like(state.params[self.cfg.set_of(role)]) if len(set(labels)) > 1 else None
+            total = None
+            for agent in dict.fromkeys(labels):
+                part = self._role_sum_over(state, role, [b for b, a in zip(batches, labels) if a == agent],
+                                           recompute_old)
+                if per_agent is not None:
+                    per_agent = coherence_add(per_agent, part.grad)
+                total = part if total is None else self._add_jit(total, part)
+            grads[role] = self._finish_jit(total)
+            if per_agent is not None and (cos := mean_cos(per_agent)) is not None:
+                agent_cos[role] = cos
+            if role in coherence:
+                coherence[role] = coherence_add(coherence[role], grads[role].grad)
+        state, metrics = self._apply_jit(state, grads, lr)
+        return state, metrics, agent_cos
+
+    def _role_sum_over(self, state: TrainState, role: str, batches: list[RoleBatch], recompute_old) -> RolePart:
+        """One role's `RolePart` summed over micro-batches: one jitted forward/backward each."""
+        trainable = state.params[self.cfg.set_of(role)]
+        total = None
+        for batch in batches:
+            part = self._part_jit(self.base_state, trainable, batch, role=role, recompute_old=recompute_old)
+            total = part if total is None else self._add_jit(total, part)
+        return total
 
     def logprobs(self, params, batches: dict[str, RoleBatch]):
         """Jitted response log-probs of every role under its set's current parameters."""
@@ -364,17 +402,19 @@ class Trainer:
         return new_params, new_opt, new_ema, role_m, set_m, cos
 
     def _role_weights(self, grads: dict[str, RoleGrad]) -> tuple[dict[str, jax.Array], jax.Array]:
-        """w_r of the set's roles (normalised to sum to 1) and the raw total (0: no role has samples)."""
+        """w_r of the set's roles — the weighting normalised to sum to 1 over the set, then times the role's
+        same-role scale (after normalising, so that a role alone on its set keeps it) — and the raw total
+        (0: no role has samples)."""
         cfg, scale = self.cfg, dict(self.cfg.role_scale)
         present = {r: (g.n_seq > 0).astype(jnp.float32) for r, g in grads.items()}
         if cfg.role_weighting == "count":
-            raw = {r: g.n_seq * scale.get(r, 1.0) for r, g in grads.items()}
+            raw = {r: g.n_seq for r, g in grads.items()}
         elif cfg.role_weighting == "equal":
             raw = present
         else:  # inverse_norm
             raw = {r: present[r] / jnp.maximum(g.norm, 1e-12) for r, g in grads.items()}
         total = sum(raw.values())
-        return {r: raw[r] / jnp.maximum(total, 1e-12) for r in grads}, total
+        return {r: raw[r] / jnp.maximum(total, 1e-12) * scale.get(r, 1.0) for r in grads}, total
 
 
 def logp_gap(trainer_logp_br, batch: RoleBatch) -> dict[str, jax.Array]:
@@ -396,6 +436,7 @@ class Sample:
     advantage: float
     old_logprobs: list[float] | None = None
     sampler_logprobs: list[float] | None = None  # the sampler's, per response token (for `logp_gap`)
+    agent: int = 0  # which of the role's parallel same-role agents made it (the voter / worker slot)
 
 
 def pack(samples: list[Sample], *, n_bucket: int | None = None) -> RoleBatch:
@@ -444,15 +485,14 @@ def minibatches(samples: list[Sample], cfg: StepConfig, *, seed: int | None = No
                 ) -> list[dict[str, list[Sample]]]:
     """Cut every set's samples into mini-batches; entry k holds the k-th of each set.
 
-    `paper`: a set with n samples takes ceil(n_eff / M) mini-batches, n_eff counting a sample of a role
-    with same-role scale s as s samples; `balanced`: one mini-batch per set. `seed` (paper mode): each
+    `paper`: a set with n samples takes ceil(n / M) mini-batches (same-role scale or not); `balanced`: one
+    mini-batch per set. `seed` (paper mode): each
     set's samples are shuffled by a permutation from `numpy.random.default_rng(seed)` and every role's
     samples are then dealt evenly over the k mini-batches, so each carries every role of the set in its
     share (rollouts list calls stage by stage: cut in that order, a shared Voting set would train on
     generator-only, then aggregator-only mini-batches). `seed=None` cuts in rollout order (no shuffle);
     the trainer always passes one.
     """
-    scale = dict(cfg.role_scale)
     per_set: dict[str, list[Sample]] = {s: [] for s in cfg.sets}
     for s in samples:
         per_set[cfg.set_of(s.role)].append(s)
@@ -465,8 +505,7 @@ def minibatches(samples: list[Sample], cfg: StepConfig, *, seed: int | None = No
         if cfg.minibatch == "balanced":
             k = 1
         else:
-            n_eff = sum(scale.get(s.role, 1.0) for s in items)
-            k = max(1, math.ceil(n_eff / cfg.minibatch_size - 1e-9))
+            k = max(1, math.ceil(len(items) / cfg.minibatch_size))
         if rng is None:
             bounds = np.linspace(0, len(items), k + 1).round().astype(int)
             chunks_per_set[set_name] = [items[bounds[i]: bounds[i + 1]] for i in range(k)]
@@ -515,6 +554,21 @@ def _with_old_logprobs(trainer: Trainer, params, mb: dict[str, list[RoleBatch]])
     return {r: [b._replace(old_logp_br=trainer.logprobs(params, {r: b})[r]) for b in bs] for r, bs in mb.items()}
 
 
+def _pack_role(samples: list[Sample], by_agent: bool, budget: int, max_rows: int
+               ) -> tuple[list[RoleBatch], list[int]]:
+    """One role's samples of a mini-batch packed as micro-batches (`micro_batches`), each holding one agent's
+    samples when `by_agent`, and the agent of each (0 when not split). No samples: one all-masked row."""
+    groups: dict[int, list[Sample]] = {}
+    for s in (sorted(samples, key=lambda s: s.agent) if by_agent else samples):
+        groups.setdefault(s.agent if by_agent else 0, []).append(s)
+    batches, agents = [], []
+    for agent, group in (groups or {0: []}).items():
+        for m in micro_batches(group, budget, max_rows):
+            batches.append(pack(m))
+            agents.append(agent)
+    return batches, agents
+
+
 def train_batch(trainer: Trainer, state: TrainState, samples: list[Sample], lr: float, *,
                 seed: int | None = None, ranks: int = 1) -> tuple[TrainState, BatchMetrics]:
     """All optimizer steps of one training step: the new state (its `step` one higher) and the
@@ -522,23 +576,34 @@ def train_batch(trainer: Trainer, state: TrainState, samples: list[Sample], lr: 
     `minibatches`); derive it from (run seed, step) so a resumed run repeats it. With
     `rl.micro_batch_tokens`, each role's part of a mini-batch is cut into micro-batches of at most that many
     tokens (and `rl.micro_batch_rows` rows) per data-parallel rank (`ranks` of them share a micro-batch's
-    rows) and their gradients add up (`Trainer.accumulated_update`): the same update, in bounded memory."""
+    rows) and their gradients add up (`Trainer.accumulated_update`): the same update, in bounded memory.
+    A role with several agents (`Sample.agent`) or in several mini-batches is measured for gradient
+    coherence (`marljax.rl.coherence`): its agents' samples then run as separate micro-batches
+    (`Trainer.agent_update`), the same update and the same work, cut differently."""
     cfg = trainer.cfg
     mbs = minibatches(samples, cfg, seed=seed)
     roles_present = sorted({s.role for s in samples})
-    budget = cfg.micro_batch_tokens * ranks
+    split = {r for r in roles_present if len({s.agent for s in samples if s.role == r}) > 1}
+    coherence = {r: Coherence.zeros_like(state.params[cfg.set_of(r)])
+                 for r, k in collections.Counter(r for mb in mbs for r in mb).items() if k > 1}
+    budget, rows = cfg.micro_batch_tokens * ranks, cfg.micro_batch_rows * ranks
     # every role appears in every call (empty → one all-masked row) so one compilation serves all
-    rows = cfg.micro_batch_rows * ranks
-    packed = [{r: [pack(m) for m in micro_batches(mb.get(r, []), budget, rows)] for r in roles_present} for mb in mbs]
+    cut = [{r: _pack_role(mb.get(r, []), r in split, budget, rows) for r in roles_present} for mb in mbs]
+    packed = [{r: bs for r, (bs, _) in mb.items()} for mb in cut]
     recompute_old = len(packed) > 1
     if recompute_old:  # old log-probs under the parameters before the first update (PPO semantics)
         packed = [_with_old_logprobs(trainer, state.params, mb) for mb in packed]
     # a set stepping more than once keeps a copy of its parameters for its step delta (updates donate them)
     steps_of = collections.Counter(s for mb in mbs for s in {cfg.set_of(r) for r in mb})
     before = {s: jax.tree.map(jnp.copy, state.params[s]) for s, k in steps_of.items() if k > 1}
-    per_mb = []
-    for mb in packed:
-        if budget > 0:
+    per_mb, agent_cos = [], collections.defaultdict(list)
+    for mb, labelled in zip(packed, cut):
+        if split or coherence:
+            state, m, cos = trainer.agent_update(state, mb, {r: a for r, (_, a) in labelled.items()},
+                                                 jnp.float32(lr), recompute_old=recompute_old, coherence=coherence)
+            for r, v in cos.items():
+                agent_cos[r].append(v)
+        elif budget > 0:
             state, m = trainer.accumulated_update(state, mb, jnp.float32(lr), recompute_old=recompute_old)
         else:
             state, m = trainer.update(state, {r: bs[0] for r, bs in mb.items()}, jnp.float32(lr),
@@ -547,6 +612,8 @@ def train_batch(trainer: Trainer, state: TrainState, samples: list[Sample], lr: 
     out = average(per_mb, cfg.sets)
     out.step_delta = {s: float(_distance(state.params[s], before[s])) if s in before else  # else ≤ 1 update
                       sum(float(m.sets[s].update_norm) for m in per_mb if s in m.sets) for s in cfg.sets}
+    out.agent_grad_cos = {r: float(np.mean(v)) for r, v in agent_cos.items()}
+    out.minibatch_grad_cos = {r: c for r, acc in coherence.items() if (c := mean_cos(acc)) is not None}
     return state.replace(step=state.step + 1), out
 
 

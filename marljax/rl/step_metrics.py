@@ -60,10 +60,14 @@ class BatchMetrics:
     cos: dict[tuple[str, str], float]
     opt_steps: dict[str, int]  # optimizer steps applied per set (every set of the policy, 0 if none)
     step_delta: dict[str, float] = dataclasses.field(default_factory=dict)  # ‖θ_after − θ_before‖ per set
+    # mean pairwise cos between a role's agents' gradients in a mini-batch (averaged over mini-batches), and
+    # between its mini-batches' gradients in the step (`marljax.rl.coherence`); only roles with ≥ 2 of them
+    agent_grad_cos: dict[str, float] = dataclasses.field(default_factory=dict)
+    minibatch_grad_cos: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def record(self) -> dict:
-        """The flat metrics record: `role/<r>/<name>`, `set/<s>/<name>`, `cos/<a>/<b>` in sorted order,
-        then `set/<s>/opt_steps` and `set/<s>/step_delta` per set."""
+        """The flat metrics record: `role/<r>/<name>` (the coherence cosines too), `set/<s>/<name>`,
+        `cos/<a>/<b>` in sorted order, then `set/<s>/opt_steps` and `set/<s>/step_delta` per set."""
         flat = {}
         for r, m in self.roles.items():
             fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name != "terms"}
@@ -74,6 +78,8 @@ class BatchMetrics:
             flat.update({f"set/{s}/{f.name}": getattr(m, f.name) for f in dataclasses.fields(m)
                          if f.name != "applied"})
         flat.update({f"cos/{a}/{b}": v for (a, b), v in self.cos.items()})
+        for name in ("agent_grad_cos", "minibatch_grad_cos"):
+            flat.update({f"role/{r}/{name}": v for r, v in getattr(self, name).items()})
         return {**dict(sorted(flat.items())), **{f"set/{s}/opt_steps": n for s, n in self.opt_steps.items()},
                 **{f"set/{s}/step_delta": d for s, d in self.step_delta.items()}}
 
