@@ -74,26 +74,28 @@ def by_agent(samples) -> list[list]:
     return [[s for s in samples if s.agent == a] for a in agents]
 
 
-def run(route, lora: bool, minibatch: str, lr: float, samples=SAMPLES_ALL, seed=3):
+def run(route, lora: bool, minibatch: str, lr: float, samples=SAMPLES_ALL, seed=3, micro_batch_tokens=0):
     cfg = StepConfig(route=route, lora_scale=LORA.scale if lora else None, minibatch=minibatch,
-                     minibatch_size=4)
+                     minibatch_size=4, micro_batch_tokens=micro_batch_tokens)
     tr = Trainer(MODEL, cfg, sgd_keeping_the_gradient())
     state = tr.init_state({s: _params(lora) for s in cfg.sets})
     new, m = train_batch(tr, state, samples, lr, seed=seed)
     return cfg, new, m.record()
 
 
-@pytest.mark.parametrize("route,lora", [(SHARED, True), (ISOLATED, False)], ids=["shared-lora", "isolated-full"])
-def test_agent_cos_in_one_minibatch(route, lora):
-    """Balanced: one mini-batch; the generator's 3 agents' gradients at the start parameters. The
-    aggregator (one agent) and the single mini-batch give no value; the update is the one without agents."""
-    cfg, new, m = run(route, lora, "balanced", 0.1)
+@pytest.mark.parametrize("route,lora,micro", [(SHARED, True, 0), (ISOLATED, False, 0), (SHARED, True, 1)],
+                         ids=["shared-lora", "isolated-full", "shared-lora-micro"])
+def test_agent_cos_in_one_minibatch(route, lora, micro):
+    """Balanced: one mini-batch; the generator's 3 agents' gradients at the start parameters (one program
+    for the agents, or with `micro` a budget of 1 token: one call per sample). The aggregator (one agent)
+    and the single mini-batch give no value; the update is the one without agents."""
+    cfg, new, m = run(route, lora, "balanced", 0.1, micro_batch_tokens=micro)
     params = _params(lora)
     want = mean_pair_cos([reference_grad(params, group, params, lora) for group in by_agent(VOTERS)])
     assert m["role/generator/agent_grad_cos"] == pytest.approx(want, rel=TOL)
     assert not any(k.endswith("minibatch_grad_cos") for k in m) and "role/aggregator/agent_grad_cos" not in m
     plain = [dataclasses.replace(s, agent=0) for s in SAMPLES_ALL]
-    _, ref_state, ref_m = run(route, lora, "balanced", 0.1, samples=plain)
+    _, ref_state, ref_m = run(route, lora, "balanced", 0.1, samples=plain, micro_batch_tokens=micro)
     assert not any("grad_cos" in k for k in ref_m)
     for s in cfg.sets:
         got, want_p = _flat(new.params[s]), _flat(ref_state.params[s])

@@ -208,6 +208,7 @@ class Trainer:
         self._part_jit = jax.jit(self._role_part, static_argnames=("role", "recompute_old"))
         self._add_jit = jax.jit(RolePart.__add__, donate_argnums=(0,))
         self._finish_jit = jax.jit(RolePart.finish)
+        self._agents_jit = jax.jit(self._agents_part, static_argnames=("role", "recompute_old"))
         self._logprobs_jit = jax.jit(self._all_logprobs)
 
     def init_state(self, params: dict) -> TrainState:
@@ -238,14 +239,19 @@ class Trainer:
         grads, agent_cos = {}, {}
         for role, batches in micro.items():
             labels = agents[role]
-            per_agent = Coherence.zeros_like(state.params[self.cfg.set_of(role)]) if len(set(labels)) > 1 else None
-            total = None
-            for agent in dict.fromkeys(labels):
-                part = self._role_sum_over(state, role, [b for b, a in zip(batches, labels) if a == agent],
-                                           recompute_old)
-                if per_agent is not None:
-                    per_agent = coherence_add(per_agent, part.grad)
-                total = part if total is None else self._add_jit(total, part)
+            trainable = state.params[self.cfg.set_of(role)]
+            per_agent = Coherence.zeros_like(trainable) if len(set(labels)) > 1 else None
+            if per_agent is not None and len(set(labels)) == len(labels):  # one batch per agent: one program
+                total, per_agent = self._agents_jit(self.base_state, trainable, tuple(batches), per_agent,
+                                                    role=role, recompute_old=recompute_old)
+            else:  # micro-batches: one call each, so memory stays bounded
+                total = None
+                for agent in dict.fromkeys(labels):
+                    part = self._role_sum_over(state, role, [b for b, a in zip(batches, labels) if a == agent],
+                                               recompute_old)
+                    if per_agent is not None:
+                        per_agent = coherence_add(per_agent, part.grad)
+                    total = part if total is None else self._add_jit(total, part)
             grads[role] = self._finish_jit(total)
             if per_agent is not None and (cos := mean_cos(per_agent)) is not None:
                 agent_cos[role] = cos
@@ -253,6 +259,16 @@ class Trainer:
                 coherence[role] = coherence_add(coherence[role], grads[role].grad)
         state, metrics = self._apply_jit(state, grads, lr)
         return state, metrics, agent_cos
+
+    def _agents_part(self, base, trainable, batches: tuple[RoleBatch, ...], per_agent: Coherence, *, role: str,
+                     recompute_old: bool) -> tuple[RolePart, Coherence]:
+        """The role's `RolePart` over one batch per agent and `per_agent` with each agent's gradient added:
+        one program, so the agents' forward/backward passes share its fixed costs (separate calls for 3
+        voters cost ≈ 30% more than one call over all their rows; tiny-qwen3 on a CPU)."""
+        parts = [self._role_part(base, trainable, b, role=role, recompute_old=recompute_old) for b in batches]
+        for part in parts:
+            per_agent = coherence_add(per_agent, part.grad)
+        return functools.reduce(RolePart.__add__, parts), per_agent
 
     def _role_sum_over(self, state: TrainState, role: str, batches: list[RoleBatch], recompute_old) -> RolePart:
         """One role's `RolePart` summed over micro-batches: one jitted forward/backward each."""
