@@ -28,7 +28,8 @@ class Coherence(NamedTuple):
 
     @classmethod
     def zeros_like(cls, grad) -> Coherence:
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), grad)
+        """Empty sums, each placed like its gradient leaf (sharded as the parameters are, on every host)."""
+        zeros = jax.tree.map(lambda x: jnp.zeros_like(x, dtype=jnp.float32), grad)
         return cls(zeros, jnp.float32(0.0), jnp.float32(0.0))
 
 

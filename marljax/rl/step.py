@@ -230,18 +230,20 @@ class Trainer:
         return self._apply_jit(state, grads, lr)
 
     def agent_update(self, state: TrainState, micro: dict[str, list[RoleBatch]], agents: dict[str, list[int]], lr,
-                     *, recompute_old, coherence: dict[str, Coherence]
+                     *, recompute_old, coherence: dict[str, Coherence], fuse: bool = True
                      ) -> tuple[TrainState, StepMetrics, dict[str, float]]:
         """`accumulated_update` with each role's micro-batches labelled by agent (`agents`, parallel to `micro`;
         one agent's micro-batches adjacent): the roles' gradients and the step are the same, and it also
         returns the mean pairwise cosine between the agents' gradients per role with ≥ 2 agents
-        (`agent_grad_cos`), and adds each role named in `coherence` to its running mini-batch cosine."""
+        (`agent_grad_cos`), and adds each role named in `coherence` to its running mini-batch cosine. `fuse`:
+        one batch per agent runs as one program (off under micro-batching: a program then holds one
+        micro-batch's activations, the shape `marljax.aot` proves)."""
         grads, agent_cos = {}, {}
         for role, batches in micro.items():
             labels = agents[role]
             trainable = state.params[self.cfg.set_of(role)]
             per_agent = Coherence.zeros_like(trainable) if len(set(labels)) > 1 else None
-            if per_agent is not None and len(set(labels)) == len(labels):  # one batch per agent: one program
+            if fuse and per_agent is not None and len(set(labels)) == len(labels):  # one batch per agent: one program
                 total, per_agent = self._agents_jit(self.base_state, trainable, tuple(batches), per_agent,
                                                     role=role, recompute_old=recompute_old)
             else:  # micro-batches: one call each, so memory stays bounded
@@ -616,7 +618,8 @@ def train_batch(trainer: Trainer, state: TrainState, samples: list[Sample], lr: 
     for mb, labelled in zip(packed, cut):
         if split or coherence:
             state, m, cos = trainer.agent_update(state, mb, {r: a for r, (_, a) in labelled.items()},
-                                                 jnp.float32(lr), recompute_old=recompute_old, coherence=coherence)
+                                                 jnp.float32(lr), recompute_old=recompute_old, coherence=coherence,
+                                                 fuse=budget == 0)
             for r, v in cos.items():
                 agent_cos[r].append(v)
         elif budget > 0:
