@@ -41,7 +41,7 @@ from marljax.rl.advantages import REWARD_ROUTINGS, AdvantageConfig, get_estimato
 from marljax.rl.diagnostics import CliffConfig
 from marljax.rl.losses import LossConfig, get_aggregation
 from marljax.rl.schedules import SCHEDULES, lr_at
-from marljax.rl.step import MINIBATCH_MODES, ROLE_WEIGHTINGS, StepConfig, make_optimizer
+from marljax.rl.step import MINIBATCH_MODES, OPTIMIZERS, ROLE_WEIGHTINGS, StepConfig, make_optimizer
 from marljax.sampling import SamplingParams
 from marljax.sharding import LORA_PLACEMENTS, RULES, MeshConfig
 from marljax.storage import is_remote
@@ -187,6 +187,9 @@ class RLSection:
     group_preset: str = AdvantageConfig.group_key  # rl.advantages group keys: paper | role | role_turn
     reward_routing: str = AdvantageConfig.reward_routing  # rl.advantages.REWARD_ROUTINGS: broadcast | per_role
     estimator: str = AdvantageConfig.estimator  # rl.advantages estimators: grpo | dr_grpo | rloo
+    # true: each role's advantages are shuffled across its samples every step (`permuted_within_roles`), the
+    # null of the coherence figures: gradients independent of credit by construction. Not for training.
+    null_advantages: bool = False
     clip_low: float = LossConfig.clip_low
     clip_high: float = LossConfig.clip_high
     dual_clip: float | None = LossConfig.dual_clip
@@ -246,6 +249,7 @@ _ADAMW = make_optimizer.__kwdefaults__  # the optimizer's defaults (clip + AdamW
 
 @dataclasses.dataclass
 class OptimSection:
+    name: str = "adamw"  # rl.step.OPTIMIZERS: adamw (the paper's) | sgd (no momentum: the optimizer control)
     lr: float = 2e-5
     warmup_steps: int = 15
     schedule: str = "cosine"  # rl.schedules.SCHEDULES: cosine | constant
@@ -255,8 +259,8 @@ class OptimSection:
     grad_clip: float = _ADAMW["grad_clip"]
 
     def build(self):
-        """Clip + AdamW (`rl.step.make_optimizer`); the learning rate comes per step from `lr_at`."""
-        return make_optimizer(weight_decay=self.weight_decay, b1=self.b1, b2=self.b2, grad_clip=self.grad_clip)
+        """Clip + `name` (`rl.step.make_optimizer`); the learning rate comes per step from `lr_at`."""
+        return make_optimizer(self.name, weight_decay=self.weight_decay, b1=self.b1, b2=self.b2, grad_clip=self.grad_clip)
 
     def lr_at(self, step: int, total_steps: int) -> float:
         """Learning rate of training step `step` (1-based) of a `total_steps` run."""
@@ -264,6 +268,7 @@ class OptimSection:
 
     def check(self) -> None:
         registered("optim.schedule", self.schedule, SCHEDULES.get)
+        one_of("optim.name", self.name, OPTIMIZERS)
 
 
 @dataclasses.dataclass

@@ -50,7 +50,7 @@ from marljax.models.tokenizer import ChatCodec
 from marljax.peer_watch import PeerWatch
 from marljax.policy_sampler import PolicySampler, SamplerSettings
 from marljax.rl import policy_map as pm
-from marljax.rl.advantages import compute_advantages
+from marljax.rl.advantages import compute_advantages, permuted_within_roles
 from marljax.rl.diagnostics import AccuracyTracker, DominanceTracker, LengthDrift
 from marljax.rl.state import TrainState
 from marljax.rl.step import Sample, Trainer, train_batch
@@ -256,6 +256,8 @@ class Run:
                                  turn=c.turn, episode_reward=c.reward, role_reward=c.correct,
                                  cfg=self.adv_cfg, split_slots=ro.slot_grouped_roles)
         advantage = adv.advantage
+        if cfg.rl.null_advantages:
+            advantage = permuted_within_roles(advantage, c.role, seed=[cfg.seed, step, 0x6E75])
         if jax.process_count() > 1:  # rewards can differ across hosts (test timeouts): use process 0's
             advantage = multihost_utils.broadcast_one_to_all(np.asarray(advantage))
         samples = [Sample(str(c.role[i]), list(c.prompt_ids[i]), list(c.response_ids[i]), float(advantage[i]),

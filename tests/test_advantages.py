@@ -164,3 +164,20 @@ def test_group_keys_function_and_registries():
         adv.group_keys(["a"], [0, 1], ["g"], [0], [0])
     with pytest.raises(ValueError, match="non-finite"):
         compute_advantages(**batch([("x", 0, "g", 0, 0, float("nan"))]))
+
+
+def test_null_permutes_each_roles_advantages_among_its_own_samples():
+    """The coherence null: a role's advantages are the same multiset, reassigned; roles never swap values;
+    the same seed gives the same shuffle (a resumed step repeats it), another seed another."""
+    b = voting_batch()
+    a = compute_advantages(**b, cfg=AdvantageConfig(group_key="paper"), split_slots={"generator"}).advantage
+    role = b["role"]
+    p = adv.permuted_within_roles(a, role, seed=[0, 1])
+    for r in ("generator", "aggregator"):
+        np.testing.assert_array_equal(np.sort(p[role == r]), np.sort(a[role == r]))
+    np.testing.assert_array_equal(p, adv.permuted_within_roles(a, role, seed=[0, 1]))
+    assert not np.array_equal(p, a)
+    assert not np.array_equal(p, adv.permuted_within_roles(a, role, seed=[0, 2]))
+    # under broadcast and paper groups the three voters of an episode share an advantage; the null breaks it
+    voters = p[role == "generator"].reshape(8, 3)
+    assert np.any(voters[:, 0] != voters[:, 1])

@@ -148,6 +148,7 @@ ENUMERATED = [
     ("rl.reward_routing=per-role", "['broadcast', 'per_role']"),
     ("rl.agg=mean", "registered: ['seq_mean_token_mean', 'seq_mean_token_sum', 'token_mean']"),
     ("optim.schedule=cosin", "registered: ['constant', 'cosine']"),
+    ("optim.name=adam", "['adamw', 'sgd']"),
     ("rl.remat=some", "['dots', 'full', 'none']"),
     ("rl.minibatch=even", "['balanced', 'paper']"),
     ("rl.role_weighting=equally", "['count', 'equal', 'inverse_norm']"),

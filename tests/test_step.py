@@ -194,3 +194,21 @@ def test_remat_policies_give_the_same_gradient(lora):
         assert _rel(grads[remat], grads["none"]) <= 1e-6, remat
     with pytest.raises(ValueError, match="rl.remat='some'.*dots"):
         StepConfig(route=(("generator", "s"),), remat="some")
+
+
+def test_sgd_optimizer_is_plain_clipped_sgd():
+    """`make_optimizer("sgd")`: the update is −lr × the gradient clipped to global norm 1 (hand-derived),
+    with no momentum or weight decay: the second step's update is the first's again, and a parameter with no
+    gradient does not move (AdamW's weight decay would move w[1])."""
+    from marljax.rl.state import with_learning_rate
+    params = {"w": jnp.ones((3,)), "b": jnp.zeros((2,))}
+    g = {"w": jnp.array([2.0, 0.0, 0.0]), "b": jnp.array([0.0, 0.0])}  # norm 2: clipped to 1
+    opt = make_optimizer("sgd", grad_clip=1.0)
+    state = with_learning_rate(opt.init(params), 0.5)
+    u1, state = opt.update(g, state, params)
+    u2, _ = opt.update(g, state, params)
+    for u in (u1, u2):
+        np.testing.assert_allclose(u["w"], [-0.5, 0.0, 0.0], rtol=1e-7)
+        np.testing.assert_allclose(u["b"], [0.0, 0.0])
+    with pytest.raises(ValueError, match=r"unknown optimizer 'adam'; expected one of \('adamw', 'sgd'\)"):
+        make_optimizer("adam")

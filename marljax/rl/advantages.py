@@ -179,3 +179,16 @@ def compute_advantages(*, problem_id, rollout, role, slot, turn, episode_reward,
         advantage[members] = estimator(reward[members], cfg)
     return Advantages(advantage=advantage, reward=reward, group_id=group_id, group_size=sizes[group_id],
                       keys=tuple(index))
+
+
+def permuted_within_roles(advantage, role, seed) -> np.ndarray:
+    """`advantage` with each role's entries shuffled among that role's samples (seeded): each sample keeps
+    an advantage from its role's distribution, but one unrelated to its own text and group, so gradients
+    that align only through real credit no longer do. The null of the gradient-coherence figures. `seed`:
+    anything `np.random.default_rng` takes."""
+    adv, role = np.asarray(advantage, dtype=np.float64), np.asarray(role)
+    out, rng = adv.copy(), np.random.default_rng(seed)
+    for r in np.unique(role):
+        idx = np.flatnonzero(role == r)
+        out[idx] = adv[rng.permutation(idx)]
+    return out

@@ -127,12 +127,20 @@ class StepConfig:
         return dict(self.route)[role]
 
 
-def make_optimizer(*, weight_decay=0.01, b1=0.9, b2=0.999, grad_clip=1.0):
-    """Clip + AdamW; the learning rate is injected per call so the schedule follows training steps."""
-    return optax.chain(
-        optax.clip_by_global_norm(grad_clip),
-        optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, b1=b1, b2=b2,
-                                              weight_decay=weight_decay))
+OPTIMIZERS = ("adamw", "sgd")  # `make_optimizer`'s names
+
+
+def make_optimizer(name: str = "adamw", *, weight_decay=0.01, b1=0.9, b2=0.999, grad_clip=1.0):
+    """Clip + AdamW (the paper's), or clip + plain SGD (no momentum, no weight decay: the control whose
+    consecutive updates are correlated only through the gradients); the learning rate is injected per
+    call so the schedule follows training steps."""
+    if name == "sgd":
+        inner = optax.inject_hyperparams(optax.sgd)(learning_rate=0.0)
+    elif name == "adamw":
+        inner = optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, b1=b1, b2=b2, weight_decay=weight_decay)
+    else:
+        raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}.")
+    return optax.chain(optax.clip_by_global_norm(grad_clip), inner)
 
 
 def _tree_dot(a, b):
