@@ -90,11 +90,16 @@ class TaskSection:
     split_seed: int = 42  # the train/held-out split (the paper's seed; see tasks.data.HOLDOUT)
     train_size: int | None = None  # cap on training problems (None = all)
     eval_n: int | None = None  # held-out problems per evaluation (None = all, the paper's)
+    # validation problems taken from the training split (disjoint from train and test by question); > 0: the
+    # cliff detector, the peak checkpoint and rollback read them each eval, the test set only reports
+    val_n: int = 0
     options: dict = dataclasses.field(default_factory=dict)  # task-specific knobs (e.g. arith digits)
     sandbox: str = "bwrap"  # code grading's isolation: bwrap (required, fails closed) | rlimits (none)
 
     def check(self) -> None:
         one_of("task.name", self.name, TASKS)
+        if self.val_n < 0:
+            raise ConfigError(f"task.val_n={self.val_n} must be ≥ 0 (0: no validation split).")
         if self.sandbox not in SANDBOX_MODES:
             raise ConfigError(f"task.sandbox={self.sandbox!r}; choose 'bwrap' (isolated, needs bubblewrap) "
                               "or 'rlimits' (no filesystem or network isolation).")

@@ -55,7 +55,7 @@ from marljax.rl.diagnostics import AccuracyTracker, DominanceTracker, LengthDrif
 from marljax.rl.state import TrainState
 from marljax.rl.step import Sample, Trainer, train_batch
 from marljax.rl.step_metrics import BatchMetrics
-from marljax.tasks.data import DataError, load_task
+from marljax.tasks.data import DataError, load_task, validation_split
 from marljax.tasks.sandbox import require as require_sandbox
 from marljax.workflows import Completion, rollout
 from marljax.workflows.evaluation import evaluate_workflow
@@ -148,25 +148,29 @@ def build_policy(cfg: Config) -> Policy:
 
 @dataclasses.dataclass
 class Problems:
-    """The training and held-out problems, and the step-0 record of how code is graded (empty without code)."""
+    """The training, held-out (test) and validation problems (empty without `task.val_n`), and the step-0
+    record of how code is graded (empty without code)."""
 
     train: list
     eval: list
     run_info: dict
+    val: list = dataclasses.field(default_factory=list)
 
 
 def build_problems(cfg: Config) -> Problems:
     opts = dict(cfg.task.options)
+    limit = None if cfg.task.train_size is None else cfg.task.train_size + cfg.task.val_n
     train_problems = load_task(cfg.task.name, path=cfg.task.path, split="train", seed=cfg.task.split_seed,
-                               limit=cfg.task.train_size, sandbox=cfg.task.sandbox, **opts)
+                               limit=limit, sandbox=cfg.task.sandbox, **opts)
     eval_problems = load_task(cfg.task.name, path=cfg.task.path, split="test", seed=cfg.task.split_seed,
                               limit=cfg.task.eval_n, sandbox=cfg.task.sandbox, **opts)
+    val_problems, train_problems = validation_split(train_problems, eval_problems, cfg.task.val_n)
     # Code grading fails closed here, before any rollout: bwrap must work unless rlimits is asked for.
     code = any(p.kind == "code" for p in train_problems + eval_problems)
     run_info = {"sandbox/mode": require_sandbox(cfg.task.sandbox)} if code else {}  # step-0 record
     if not train_problems:
         raise ConfigError(f"task {cfg.task.name!r} gave no training problems.")
-    return Problems(train_problems, eval_problems, run_info)
+    return Problems(train_problems, eval_problems, run_info, val_problems)
 
 
 def build_workflow(cfg: Config):
@@ -216,10 +220,12 @@ class Run:
         """The workflows' sampler over the current parameters."""
         return self.policy.rollout_sampler(self.cfg, self.state.params, temperature)
 
-    def evaluate(self, seed: int) -> dict:
+    def evaluate(self, seed: int, problems: list | None = None):
+        """pass@1 and the transcripts of the current parameters on `problems` (default: the test set)."""
         sampler = self.rollout_sampler(self.cfg.eval.temperature)
+        problems = self.problems.eval if problems is None else problems
         try:
-            return evaluate_workflow(self.workflow, self.problems.eval, sampler, self.policy.codec, self.route,
+            return evaluate_workflow(self.workflow, problems, sampler, self.policy.codec, self.route,
                                      seed=seed, k=self.cfg.eval.k, progress=False,
                                      max_prompt_tokens=self.cfg.sampling.max_prompt_tokens)
         finally:
@@ -322,6 +328,22 @@ def track_eval(run: Run, ckpt: Checkpointer, step: int, metrics: dict) -> bool:
     return fired
 
 
+def run_evals(run: Run, ckpt: Checkpointer, step: int, seed: int) -> tuple[dict, bool]:
+    """The evals of `step`: the test set (`eval/…`, eval_step{step}.jsonl) and, with `task.val_n`, the
+    validation set (`val/…`, val_step{step}.jsonl), which alone then feeds the tracker: the peak checkpoint,
+    the cliff and the rollback never see the test set. Returns (their record, whether the cliff fired)."""
+    record, selecting = {}, None
+    for prefix, problems in (("eval", run.problems.eval), ("val", run.problems.val)):
+        if not problems:
+            continue
+        ev = run.evaluate(seed, problems)
+        if sharding.is_primary():
+            write_eval_transcripts(run.run_dir, step, ev, prefix)
+        record.update({f"{prefix}/{k}": v for k, v in ev.metrics.items()})
+        selecting = ev.metrics
+    return record, track_eval(run, ckpt, step, selecting)
+
+
 def rollback(run: Run, ckpt: Checkpointer, step: int, record: dict) -> None:
     """The cliff fired at `step`: restore the peak checkpoint's parameters, optimizer states and damping EMA,
     then stop (`rollback_lr_scale` None) or go on with the learning rate × the scale (cumulative).
@@ -340,7 +362,8 @@ def rollback(run: Run, ckpt: Checkpointer, step: int, record: dict) -> None:
     record.update({"diag/rollback": 1, "diag/rollback_from": step, "diag/rollback_to": peak_step,
                    "diag/lr_scale": run.lr_scale})
     then = "stopping" if scale is None else f"continuing with lr × {run.lr_scale:g}"
-    print(f"step {step}: terminal cliff (pass@1 {run.accuracy.final:.3f}, peak {run.accuracy.peak:.3f}); "
+    on = "validation " if run.problems.val else ""
+    print(f"step {step}: terminal cliff ({on}pass@1 {run.accuracy.final:.3f}, peak {run.accuracy.peak:.3f}); "
           f"rolled back to step {peak_step}'s parameters and optimizer state; {then}", file=sys.stderr)
 
 
@@ -372,7 +395,8 @@ def clear_earlier_attempt(run_dir: epath.Path) -> list[str]:
     transcripts, report), so that starting afresh never logs a step twice; returns the names removed."""
     removed = []
     for path in [run_dir / "metrics.jsonl", run_dir / "tb", run_dir / "report.md",
-                 *run_dir.glob("eval_step*.jsonl"), *run_dir.glob(f"{run_dir.name}_*.png")]:
+                 *run_dir.glob("eval_step*.jsonl"), *run_dir.glob("val_step*.jsonl"),
+                 *run_dir.glob(f"{run_dir.name}_*.png")]:
         if path.is_dir():
             path.rmtree()
         elif path.exists():
@@ -383,10 +407,10 @@ def clear_earlier_attempt(run_dir: epath.Path) -> list[str]:
     return removed
 
 
-def write_eval_transcripts(run_dir: epath.Path, step: int, ev) -> None:
-    """`eval_step{step}.jsonl`: one episode per line (problem id, run, reward, calls); the report pairs
+def write_eval_transcripts(run_dir: epath.Path, step: int, ev, prefix: str = "eval") -> None:
+    """`{prefix}_step{step}.jsonl`: one episode per line (problem id, run, reward, calls); the report pairs
     two evals' problems by them for the noise of the lift."""
-    (run_dir / f"eval_step{step}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in ev.transcripts))
+    (run_dir / f"{prefix}_step{step}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in ev.transcripts))
 
 
 def open_run(cfg: Config) -> tuple[Run, Checkpointer, MetricsLogger | _SilentLogger]:
@@ -423,11 +447,7 @@ def resume(run: Run, ckpt: Checkpointer, log) -> int:
         print(f"resumed {run.run_dir} from step {start}", file=sys.stderr)
         return start
     if cfg.eval.at_start:
-        ev = run.evaluate(seed=cfg.seed)
-        track_eval(run, ckpt, 0, ev.metrics)
-        log.log({"step": 0, **run.problems.run_info, **{f"eval/{k}": v for k, v in ev.metrics.items()}})
-        if sharding.is_primary():
-            write_eval_transcripts(run.run_dir, 0, ev)
+        log.log({"step": 0, **run.problems.run_info, **run_evals(run, ckpt, 0, seed=cfg.seed)[0]})
     elif run.problems.run_info:
         log.log({"step": 0, **run.problems.run_info})
     return 0
@@ -444,12 +464,10 @@ def count_nonfinite(run: Run, step: int, m: BatchMetrics) -> None:
 
 
 def eval_step(run: Run, ckpt: Checkpointer, step: int, record: dict) -> None:
-    """The held-out eval of `step` into `record`; a new best is saved as the peak, a cliff may roll back."""
-    ev = run.evaluate(seed=run.cfg.seed + step)
-    if sharding.is_primary():
-        write_eval_transcripts(run.run_dir, step, ev)
-    record.update({f"eval/{k}": v for k, v in ev.metrics.items()})
-    if track_eval(run, ckpt, step, ev.metrics):
+    """The evals of `step` into `record` (`run_evals`); a new best is saved as the peak, a cliff may roll back."""
+    evals, fired = run_evals(run, ckpt, step, seed=run.cfg.seed + step)
+    record.update(evals)
+    if fired:
         record["diag/cliff"] = 1
         if run.cfg.diagnostics.rollback_on_cliff:
             rollback(run, ckpt, step, record)

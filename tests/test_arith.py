@@ -71,3 +71,21 @@ def test_rewards_through_the_math_grader():
 def test_bad_knobs_are_rejected(bad):
     with pytest.raises(ValueError):
         ArithConfig(**bad)
+
+
+def test_validation_split_shares_no_question_with_train_or_test():
+    """`task.val_n`: validation comes out of the training split; arith repeats questions within and across
+    its streams, so the split goes by question text, and asking for more than exist is an error."""
+    from marljax.config import load_config
+    from marljax.tasks.data import DataError, validation_split
+    from marljax.train import build_problems
+    cfg = load_config("configs/default.yaml", ["task.val_n=64", "task.eval_n=64"])
+    p = build_problems(cfg)
+    q = {name: [x.question for x in getattr(p, name)] for name in ("train", "val", "eval")}
+    assert len(q["val"]) == len(set(q["val"])) == 64 and len(q["eval"]) == 64
+    assert not set(q["val"]) & set(q["eval"]) and not set(q["val"]) & set(q["train"])
+    full = build_problems(load_config("configs/default.yaml", ["task.eval_n=64"]))
+    assert full.val == [] and len(full.train) == 1000  # val_n = 0 leaves the training set as it was
+    assert [x.question for x in full.train if x.question not in set(q["val"])] == q["train"]
+    with pytest.raises(DataError, match=r"task\.val_n=3: only 2 training problems"):
+        validation_split(full.train[:2], [], 3)

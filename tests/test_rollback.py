@@ -26,7 +26,7 @@ ARGS = [*TINY, "task=arith", "workflow=single", "policy=shared", "steps=10", "se
         "checkpoint.keep=20", "optim.weight_decay=0.5", "diagnostics.cliff_window=0.75", "diagnostics.rollback_on_cliff=true"]
 
 
-def _scripted_eval(self, seed):
+def _scripted_eval(self, seed, problems=None):
     """`Run.evaluate` replaced: the pass@1 of `ACC` at the eval's step (its seed is run seed + step)."""
     return types.SimpleNamespace(metrics={"pass@1": ACC[seed - self.cfg.seed]}, transcripts=[])
 
@@ -125,6 +125,29 @@ def test_resume_keeps_the_peak_and_the_lr_scale(tmp_path, scripted, monkeypatch,
         return {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
     assert [comparable(r) for r in _records(run_dir)] == [comparable(r) for r in _records(straight)]
     assert _equal(_state(run_dir, 10)[1], _state(straight, 10)[1])
+
+
+# validation (task.val_n) carries the cliff of ACC; the test set peaks at step 4 and drops at 6, which would
+# fire a rollback to step 4 if the tracker read it
+TEST_ACC = {0: 0.3, 2: 0.0, 4: 0.9, 6: 0.2}
+
+
+def test_validation_alone_selects_the_peak_and_fires_the_rollback(tmp_path, monkeypatch, capfd):
+    def scripted(self, seed, problems=None):
+        on_val = problems is not None and problems is self.problems.val
+        acc = (ACC if on_val else TEST_ACC)[seed - self.cfg.seed]
+        return types.SimpleNamespace(metrics={"pass@1": acc}, transcripts=[{"problem_id": "p", "reward": acc}])
+    monkeypatch.setattr(Run, "evaluate", scripted)
+    run_dir = tmp_path / "val"
+    train_main([*ARGS, "steps=6", "task.val_n=8", f"run_dir={run_dir}", "diagnostics.rollback_lr_scale=0.5"])
+    records = _records(run_dir)
+    evals = [(r["step"], r["val/pass@1"], r["eval/pass@1"]) for r in records if "val/pass@1" in r]
+    assert evals == [(t, ACC[t], TEST_ACC[t]) for t in (0, 2, 4, 6)]
+    assert [(r["step"], r["diag/rollback_to"]) for r in records if r.get("diag/rollback")] == [(4, 2)]
+    assert Checkpointer(run_dir, 1, 20).peak_step() == 2
+    assert "terminal cliff (validation pass@1 0.100, peak 0.600)" in capfd.readouterr().err
+    assert json.loads((run_dir / "val_step4.jsonl").read_text())["reward"] == ACC[4]
+    assert json.loads((run_dir / "eval_step4.jsonl").read_text())["reward"] == TEST_ACC[4]
 
 
 def test_rollback_config_errors(tmp_path):  # refused when the config loads

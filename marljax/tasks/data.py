@@ -358,6 +358,27 @@ HOLDOUT = {"deepcoder": 1000}  # the paper's held-out count where it is not 10% 
 _FILTERS = {"deepcoder": _deepcoder_filter}  # a task's row filter, applied before the split; its options
 
 
+def validation_split(train: list[Problem], test: list[Problem], n: int) -> tuple[list[Problem], list[Problem]]:
+    """(validation, train): the first `n` training problems whose question is not a test question, and the
+    training problems whose question is not one of theirs, so the three sets share no question (a
+    generated task can repeat one). DataError when fewer than `n` qualify."""
+    if n == 0:
+        return [], train
+    test_questions = {p.question for p in test}
+    val: list[Problem] = []
+    seen: set[str] = set()
+    for p in train:
+        if len(val) == n:
+            break
+        if p.question not in test_questions and p.question not in seen:
+            val.append(p)
+            seen.add(p.question)
+    if len(val) < n:
+        raise DataError(f"task.val_n={n}: only {len(val)} training problems have a question outside the test "
+                        "set; lower task.val_n or raise task.train_size.")
+    return val, [p for p in train if p.question not in seen]
+
+
 def task_kind(name: str) -> str:
     """The kind of problem a task yields: "code" for the program-writing tasks, else "math" (a final
     answer graded against the gold one)."""
