@@ -4,9 +4,10 @@ Compares conditions over training seeds: runs are grouped by the config values n
 keys of each run's config.yaml, e.g. `workflow.n_votes rl.same_role_scale`); runs of one condition differ
 in their seed. For every metric (a key of metrics.jsonl, e.g. `set/generator/step_delta`), a run's value is
 its mean over the training steps in `--steps` (default: all logged steps of the metric); a condition's value
-is the mean of its runs ± one standard error over seeds (std ddof 1 / √n; "–" with one seed); each
-condition's difference from the first condition is given ± √(se_a² + se_b²), the s.e. of a difference of
-independent means. The step-to-step noise inside a run is not counted twice: the seeds' spread carries it.
+is the mean of its runs with its t-based 95% interval over seeds (df = seeds − 1; `marljax.seed_stats`); each
+condition's difference from the first condition is paired by seed where both ran the same seeds, else
+Welch's, and marked ✱ when its interval excludes 0. The step-to-step noise inside a run is not counted
+twice: the seeds' spread carries it.
 
 Writes compare.md (the table, the runs behind each condition, the command) and, per metric, a PNG of the
 per-step mean over seeds of every condition with its seeds' range shaded. Run dirs and --out may be
@@ -25,6 +26,7 @@ import yaml
 from etils import epath
 
 from marljax.metrics import read_metrics
+from marljax.seed_stats import difference, t_interval
 from marljax.storage import save_figure
 
 
@@ -51,21 +53,16 @@ def run_series(records: list[dict], metric: str, steps: tuple[int, int] | None =
     return out
 
 
-def mean_se(values: list[float]) -> tuple[float, float]:
-    """Mean and its standard error (std ddof 1 / √n; nan with fewer than 2 values)."""
-    a = np.asarray(values, dtype=np.float64)
-    se = float(np.std(a, ddof=1) / math.sqrt(len(a))) if len(a) > 1 else float("nan")
-    return float(a.mean()), se
-
-
 class Condition:
     """The runs sharing one value of the `--by` keys."""
 
     def __init__(self, label: str):
-        self.label, self.runs = label, []  # runs: (name, records)
+        self.label, self.runs = label, []  # runs: (name, seed, records)
 
-    def per_run(self, metric: str, steps) -> list[float]:
-        return [float(np.mean(list(s.values()))) for _, rec in self.runs if (s := run_series(rec, metric, steps))]
+    def per_seed(self, metric: str, steps) -> dict[Any, float]:
+        """seed → the run's mean of `metric` over `steps` (runs without it left out)."""
+        return {seed: float(np.mean(list(s.values()))) for _, seed, rec in self.runs
+                if (s := run_series(rec, metric, steps))}
 
 
 def conditions(run_dirs: list[epath.Path], by: list[str]) -> list[Condition]:
@@ -77,32 +74,24 @@ def conditions(run_dirs: list[epath.Path], by: list[str]) -> list[Condition]:
             raise SystemExit(f"{d}: no config.yaml; pass run directories written by `python -m marljax.train`.")
         cfg = yaml.safe_load(path.read_text())
         label = ", ".join(f"{k.split('.')[-1]}={config_value(cfg, k)}" for k in by)
-        out.setdefault(label, Condition(label)).runs.append((d.name, read_metrics(d)))
+        out.setdefault(label, Condition(label)).runs.append((d.name, cfg.get("seed", d.name), read_metrics(d)))
     return list(out.values())
 
 
-def _fmt(m: float, se: float) -> str:
-    return f"{m:.4g}" + ("" if math.isnan(se) else f" ± {se:.2g}")
-
-
 def table(conds: list[Condition], metrics: list[str], steps) -> str:
-    """Markdown: per condition the seeds and each metric's mean ± s.e., then Δ vs the first condition."""
+    """Markdown: per condition the seeds and each metric's mean [95% interval], then Δ vs the first condition."""
     head = ["condition", "seeds"] + metrics + [f"Δ {m} vs first" for m in metrics]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    ref = {m: mean_se(conds[0].per_run(m, steps)) if conds[0].per_run(m, steps) else None for m in metrics}
     for c in conds:
         cells, deltas = [], []
         for m in metrics:
-            vals = c.per_run(m, steps)
-            if not vals:
-                cells.append("–"), deltas.append("–")
-                continue
-            mu, se = mean_se(vals)
-            cells.append(_fmt(mu, se))
-            if c is conds[0] or ref[m] is None:
+            vals, ref = c.per_seed(m, steps), conds[0].per_seed(m, steps)
+            cells.append(t_interval(list(vals.values())).fmt(".4g") if vals else "–")
+            if c is conds[0] or not vals or not ref:
                 deltas.append("–")
-            else:
-                deltas.append(_fmt(mu - ref[m][0], math.hypot(se, ref[m][1])))
+                continue
+            d = difference(vals, ref)
+            deltas.append(d.fmt(".4g") + (" ✱" if d.resolved else ""))
         lines.append(f"| {c.label} | {len(c.runs)} | " + " | ".join(cells + deltas) + " |")
     return "\n".join(lines)
 
@@ -115,7 +104,7 @@ def plot(conds: list[Condition], metric: str, out: epath.Path) -> epath.Path:
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for c in conds:
-        series = [run_series(rec, metric, base=True) for _, rec in c.runs]
+        series = [run_series(rec, metric, base=True) for _, _, rec in c.runs]
         steps = sorted(set().union(*series))
         if not steps:
             continue
@@ -147,10 +136,10 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     conds = conditions(args.runs, args.by)
     pngs = [plot(conds, m, out) for m in args.metric]
-    runs = "\n".join(f"- {c.label}: " + ", ".join(n for n, _ in c.runs) for c in conds)
+    runs = "\n".join(f"- {c.label}: " + ", ".join(n for n, _, _ in c.runs) for c in conds)
     cmd = "python -m marljax.compare " + " ".join(sys.argv[1:] if argv is None else argv)
     text = (f"# Comparison\n\n`{cmd}`\n\nEach cell: mean over seeds of the run's mean over training steps "
-            f"{args.steps or '(all)'}, ± 1 s.e. over seeds.\n\n{table(conds, args.metric, steps)}\n\nRuns:\n{runs}\n\n"
+            f"{args.steps or '(all)'} [t-based 95% interval over seeds]; ✱: a difference whose interval excludes 0.\n\n{table(conds, args.metric, steps)}\n\nRuns:\n{runs}\n\n"
             + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n")
     (out / "compare.md").write_text(text)
     print(table(conds, args.metric, steps))

@@ -2,9 +2,11 @@
 
 Per run: accuracy vs step (base line, peak, final, cliff marker), per-role gradient norm and mass share,
 per-role output length and parse-failure rate, optimizer steps per set. For several runs, the paper's table
-over conditions (runs whose configs differ only in their seed; `condition_table`), then a paper-style table:
-cell, base, peak (step), final, Δ vs base ± its noise, Δ vs the single-agent run of the same task and model
-when one is among the runs, cliff, dominant role. Every number in the table comes from metrics.jsonl through
+over conditions (runs whose configs differ only in their seed; `condition_table`: means with t-based 95%
+intervals over seeds), then a paper-style table: cell, base, peak (step), final, Δ vs base ± its noise, Δ vs
+a like-for-like single-agent run (`LIKE_KEYS`: same task, model, steps, problems, eval set, optimizer, rate,
+response cap; else blank with the keys that differ), cliff, dominant role. With a validation split
+(`val/pass@1`) validation picks the peak step and flags the cliff, and the peak is the test accuracy there. Every number in the table comes from metrics.jsonl through
 `summarize`, except the noise and the SA-transfer column (below). The noise is one standard error of the
 paired difference final − base: both evals run the same held-out problems, whose transcripts
 (`eval_step{N}.jsonl`) give per problem its mean reward over the eval's k runs (the k answers of a problem are
@@ -31,10 +33,11 @@ import numpy as np
 import yaml
 from etils import epath
 
-from marljax.compare import mean_se
+from marljax.compare import config_value
 from marljax.config import ConfigError, load_config, to_dict
 from marljax.metrics import read_metrics
 from marljax.rl.diagnostics import CliffConfig, detect_cliff
+from marljax.seed_stats import Interval, difference, t_interval
 from marljax.storage import save_figure
 
 
@@ -67,6 +70,7 @@ def summarize(run_dir: epath.PathLike) -> dict[str, Any]:
     records = read_metrics(run_dir)
     cfg = _config(run_dir)
     steps, acc = _series(records, "eval/pass@1")
+    val_steps, val_acc = _series(records, "val/pass@1")
     diag = cfg.get("diagnostics", {})
     cliff_cfg = CliffConfig(min_drop=diag.get("cliff_drop", 0.05), window_frac=diag.get("cliff_window", 0.25))
     last = max((r["step"] for r in records), default=0)  # a run stopped early ends there, not at cfg steps
@@ -75,11 +79,16 @@ def summarize(run_dir: epath.PathLike) -> dict[str, Any]:
     out: dict[str, Any] = {
         "run": run_dir.name, "workflow": workflow, "task": task, "model": cfg.get("model"),
         "cell": "/".join(str(x) for x in (workflow, task, cfg.get("model"), _policy_name(cfg.get("policy")))),
-        "steps": last}
+        "steps": last, "seed": cfg.get("seed"), "like": like_for_like(cfg)}
     if steps:
         s = detect_cliff(steps, acc, total_steps=total, cfg=cliff_cfg)
+        curve = dict(zip(steps, acc))
         out.update(base=s["base"], peak=s["peak"], peak_step=s["best_step"], final=s["final"],
-                   delta=s["final"] - s["base"], cliff=bool(s["cliff"]), curve=dict(zip(steps, acc)))
+                   delta=s["final"] - s["base"], cliff=bool(s["cliff"]), curve=curve, selected_on="test")
+        if val_steps:  # validation chooses the step and flags the cliff; the test set reports at that step
+            v = detect_cliff(val_steps, val_acc, total_steps=total, cfg=cliff_cfg)
+            out.update(peak=curve.get(v["best_step"]), peak_step=v["best_step"], cliff=bool(v["cliff"]),
+                       val_curve=dict(zip(val_steps, val_acc)), selected_on="validation")
         out.update(_lift_noise(run_dir, steps[0], steps[-1], s["base"], s["final"], _eval_sizes(records)))
     doms = [r["diag/dominant_role"] for r in records if "diag/dominant_role" in r
             and r.get("diag/dominant_share", 1.0) > 0]  # share 0: no gradient, nothing dominated (older runs)
@@ -237,15 +246,30 @@ def _fmt(v: Any) -> str:
     return "–" if v is None else str(v)
 
 
+# What a single-agent run must share with a run for "Δ vs single" to compare like with like
+LIKE_KEYS = ("model", "steps", "task.name", "task.options", "task.eval_n", "task.split_seed", "rl.problems_per_step",
+             "rl.rollouts", "optim.name", "optim.lr", "optim.schedule", "optim.warmup_steps", "sampling.max_new_tokens")
+
+
+def like_for_like(cfg: dict) -> dict:
+    """The values of `LIKE_KEYS` in a run's config (None where it lacks one)."""
+    return {k: config_value(cfg, k) for k in LIKE_KEYS}
+
+
 def _is_single_for(x: dict, s: dict) -> bool:
-    """Whether summary `x` is a single-agent run of `s`'s task and model (and `s` is not one)."""
-    return (x.get("workflow") == "single" and s.get("workflow") != "single"
-            and (x.get("task"), x.get("model")) == (s.get("task"), s.get("model")))
+    """Whether summary `x` is a single-agent run like `s` (and `s` is not one): the same task, model, steps,
+    problems, rollouts, eval set, optimizer and rate and response cap (`LIKE_KEYS`)."""
+    return x.get("workflow") == "single" and s.get("workflow") != "single" and x.get("like") == s.get("like")
+
+
+def _unlike(x: dict, s: dict) -> list[str]:
+    """The `LIKE_KEYS` on which a single-agent run `x` differs from `s`."""
+    return [k for k in LIKE_KEYS if x.get("like", {}).get(k) != s.get("like", {}).get(k)]
 
 
 def vs_single(s: dict, summaries: list[dict]) -> float | None:
-    """Final accuracy minus that of a single-agent run of the same task and model among `summaries`."""
-    singles = [x for x in summaries if _is_single_for(x, s) and "final" in x]
+    """Final accuracy minus that of a like-for-like single-agent run (`_is_single_for`) of the same seed."""
+    singles = [x for x in summaries if _is_single_for(x, s) and "final" in x and x.get("seed") == s.get("seed")]
     return s["final"] - singles[0]["final"] if singles and "final" in s else None
 
 
@@ -320,49 +344,63 @@ def conditions(summaries: list[dict], configs: list[dict]) -> list[tuple[str, st
     return out
 
 
-def _mean_fmt(values: list[float], noise: float | None = None) -> tuple[str, float, float]:
-    """`mean ± s.e. over seeds` (one seed: ± `noise`, that run's own s.e., when given)."""
-    mu, se = mean_se(values)
-    if math.isnan(se) and noise is not None:
-        se = noise
-    return (_fmt(mu) + ("" if math.isnan(se) else f" ± {se:.3f}")), mu, se
+def _cell(iv: Interval) -> str:
+    """An interval over seeds, marked ✱ when it excludes 0 (for differences: resolved)."""
+    return iv.fmt() + (" ✱" if iv.resolved else "")
 
 
 def condition_table(summaries: list[dict], configs: list[dict]) -> str:
-    """Markdown, the paper's form over seeds: per condition base, peak (step) of the seed-mean eval curve,
-    final and Δ vs base as mean ± 1 s.e. over seeds (one seed: its paired s.e.), Δ vs the single-agent
-    condition of the same task and model (± √(se_a² + se_b²)), cliffs (runs flagged of runs), dominant role."""
+    """Markdown, the paper's form over seeds: per condition base, peak (step), final and Δ vs base as the mean
+    with its t-based 95% interval over seeds (`marljax.seed_stats`; one seed: its paired s.e. for Δ), Δ vs a
+    like-for-like single-agent condition (paired by seed where both ran the same seeds), cliffs (runs flagged
+    of runs), dominant role. Peak: the step where the seed-mean validation curve peaks, and the test mean
+    there; runs without validation take the seed-mean test curve's maximum (marked †: biased up)."""
     conds = [(name, settings, [s for s in runs if "final" in s])
              for name, settings, runs in conditions(summaries, configs)]
     conds = [c for c in conds if c[2]]
-    finals = {name: mean_se([s["final"] for s in runs]) for name, _, runs in conds}
     lines = ["| condition | cell | seeds | base | peak (step) | final | Δ vs base | Δ vs single | cliff | "
              "dominant role |", "|---|---|---|---|---|---|---|---|---|---|"]
+    blanks = []
     for name, _, runs in conds:
         steps = sorted(set.intersection(*(set(s["curve"]) for s in runs)))
         curve = {t: float(np.mean([s["curve"][t] for s in runs])) for t in steps}
-        peak_step = max(curve, key=curve.get) if curve else None
-        final, mu, se = _mean_fmt([s["final"] for s in runs])
-        delta = _mean_fmt([s["delta"] for s in runs], runs[0].get("noise") if len(runs) == 1 else None)[0]
-        single = next((lab for lab, _, rs in conds if _is_single_for(rs[0], runs[0])), None)
+        peak = "–"
+        if all("val_curve" in s for s in runs):
+            vsteps = sorted(set.intersection(*(set(s["val_curve"]) for s in runs)) & set(curve))
+            if vsteps:
+                step = max(vsteps, key=lambda t: np.mean([s["val_curve"][t] for s in runs]))
+                peak = f"{_fmt(curve[step])} ({step})"
+        elif curve:
+            step = max(curve, key=curve.get)
+            peak = f"{_fmt(curve[step])} ({step})†"
+        finals = {s.get("seed", i): s["final"] for i, s in enumerate(runs)}
+        delta = t_interval([s["delta"] for s in runs])
+        delta_cell = (_cell(delta) if len(runs) > 1 or "noise" not in runs[0]
+                      else f"{delta.mean:.3f} ± {runs[0]['noise']:.3f} (1 seed, 1 s.e. over problems)")
+        single = next((rs for lab, _, rs in conds if _is_single_for(rs[0], runs[0])), None)
         vs = "–"
         if single:
-            smu, sse = finals[single]
-            d_se = math.hypot(se, sse)
-            vs = _fmt(mu - smu) + ("" if math.isnan(d_se) else f" ± {d_se:.3f}")
+            vs = _cell(difference(finals, {s.get("seed", i): s["final"] for i, s in enumerate(single)}))
+        elif runs[0].get("workflow") != "single":
+            others = [rs[0] for _, _, rs in conds if rs[0].get("workflow") == "single"
+                      and rs[0].get("task") == runs[0].get("task")]
+            why = (f"the single-agent runs differ in {', '.join(_unlike(others[0], runs[0]))}" if others
+                   else "no single-agent run of its task")
+            blanks.append(f"- {name}: Δ vs single left blank: {why}.")
         doms = [s["dominant_role"] for s in runs if "dominant_role" in s]
         dom = "–"
         if doms:
             role = mode(doms)
             share = np.mean([s["dominant_share"] for s in runs if s.get("dominant_role") == role])
             dom = f"{role} ({doms.count(role)}/{len(runs)} runs, final share {share:.2f})"
-        base = _mean_fmt([s["base"] for s in runs])[0]
-        peak = f"{_fmt(curve[peak_step])} ({peak_step})" if curve else "–"
-        lines.append(f"| {name} | {runs[0]['cell']} | {len(runs)} | {base} | {peak} | {final} | {delta} | {vs} | "
+        lines.append(f"| {name} | {runs[0]['cell']} | {len(runs)} | {t_interval([s['base'] for s in runs]).fmt()} | "
+                     f"{peak} | {t_interval(list(finals.values())).fmt()} | {delta_cell} | {vs} | "
                      f"{sum(s['cliff'] for s in runs)}/{len(runs)} | {dom} |")
     lines += ["", "What tells the conditions apart:", ""]
     lines += [f"- {name} ({', '.join(s['run'] for s in runs)}): {settings or 'the only condition'}"
               for name, settings, runs in conds]
+    if blanks:
+        lines += ["", *blanks]
     return "\n".join(lines)
 
 
@@ -385,8 +423,11 @@ def write_report(run_dirs: list[epath.PathLike], out: epath.PathLike | None = No
     out_dir.mkdir(parents=True, exist_ok=True)
     summaries = [{**summarize(d), "evals": read_evals(d)} for d in run_dirs]
     parts = ["# marljax report", "", "## Conditions", "",
-             "Runs whose configs differ only in `seed` are one condition; ± is 1 s.e. over its seeds (one seed: "
-             "the paired s.e. of its Δ). Peak: of the seed-mean eval curve. Cliff: runs flagged of runs.", "",
+             "Runs whose configs differ only in `seed` are one condition. Each cell: the mean over its seeds "
+             "[t-based 95% interval, df = seeds − 1]; ✱: a difference whose interval excludes 0 (resolved); Δ vs "
+             "single is paired by seed where both conditions ran the same seeds. Peak: the test accuracy at the "
+             "step where the seed-mean validation curve peaks († no validation: the seed-mean test curve's "
+             "maximum, biased up). Cliff: runs flagged of runs (on validation where the runs have it).", "",
              condition_table(summaries, [_config(d) for d in run_dirs]), "", "## Runs", "", table(summaries), ""]
     if any(s["evals"] for s in summaries):
         parts += ["## Checkpoint evaluations", "", evals_table(summaries), ""]

@@ -4,6 +4,7 @@ import json
 import numpy as np
 import pytest
 import yaml
+from scipy import stats
 
 from marljax.report import PAIRED, UNPAIRED, summarize, table, write_report
 
@@ -89,7 +90,7 @@ def test_noise_is_the_paired_standard_error_over_problem_clusters(tmp_path):
 def test_conditions_average_seeds_and_difference_the_single_agent_condition(tmp_path, capsys):
     """Seeds of one condition (configs equal but for seed/run_dir; a key a config lacks takes its default,
     and only in a config that no longer loads is a key it lacks no difference) are averaged: mean ±
-    std(ddof 1)/√n over seeds; Δ vs single ± √(se_a² + se_b²)."""
+    with the t-based 95% interval over seeds; Δ vs the like-for-like single condition, paired by seed."""
     runs = {"a-s0": ({0: 0.2, 5: 0.6, 10: 0.4}, 3, 0), "a-s1": ({0: 0.3, 5: 0.5, 10: 0.5}, 3, 1),
             "b-s0": ({0: 0.2, 5: 0.3, 10: 0.3}, 5, 0), "single-s0": ({0: 0.1, 10: 0.25}, 3, 0),
             "single-s1": ({0: 0.1, 10: 0.35}, 3, 1), "c-s0": ({0: 0.2, 5: 0.4, 10: 0.4}, 3, 0)}
@@ -108,13 +109,16 @@ def test_conditions_average_seeds_and_difference_the_single_agent_condition(tmp_
         (d / "config.yaml").write_text(yaml.safe_dump(cfg))
         dirs.append(d)
     text = write_report(dirs, tmp_path / "out").read_text()
-    finals_a, finals_s = np.array([0.4, 0.5]), np.array([0.25, 0.35])
-    se_a, se_s = finals_a.std(ddof=1) / np.sqrt(2), finals_s.std(ddof=1) / np.sqrt(2)
-    d_se = np.hypot(se_a, se_s)
-    assert (f"| a | voting/arith/tiny-qwen3/shared | 2 | 0.250 ± 0.050 | 0.550 (5) | 0.450 ± {se_a:.3f} | "
-            f"0.200 ± 0.000 | 0.150 ± {d_se:.3f} | 1/2 | generator (2/2 runs, final share 0.75) |") in text
-    assert "| b | voting/arith/tiny-qwen3/shared | 1 | 0.200 | 0.300 (5) | 0.300 | 0.100 | 0.000 | 0/1 |" in text
-    assert "| single | single/arith/tiny-qwen3/shared | 2 | 0.100 ± 0.000 | 0.300 (10) |" in text
+    t1 = stats.t.ppf(0.975, 1)  # two seeds: one degree of freedom
+    half_a = np.std([0.4, 0.5], ddof=1) / np.sqrt(2) * t1
+    half_base = np.std([0.2, 0.3], ddof=1) / np.sqrt(2) * t1
+    # Δ vs single paired by seed: a − single = 0.15 in both seeds, so the interval is [0.15, 0.15]: resolved
+    assert (f"| a | voting/arith/tiny-qwen3/shared | 2 | 0.250 [{0.25 - half_base:+.3f}, {0.25 + half_base:+.3f}] | "
+            f"0.550 (5)† | 0.450 [{0.45 - half_a:+.3f}, {0.45 + half_a:+.3f}] | 0.200 [+0.200, +0.200] ✱ | "
+            f"0.150 [+0.150, +0.150] ✱ | 1/2 | generator (2/2 runs, final share 0.75) |") in text
+    # b ran seed 0 only, single seeds 0 and 1: unpaired, and one seed gives no interval
+    assert "| b | voting/arith/tiny-qwen3/shared | 1 | 0.200 (1 seed) | 0.300 (5)† | 0.300 (1 seed) | 0.100 (1 seed) | 0.000 (1 seed) | 0/1 |" in text
+    assert "| single | single/arith/tiny-qwen3/shared | 2 | 0.100 [+0.100, +0.100] | 0.300 (10)† |" in text
     assert "- a (a-s0, a-s1): workflow.n_votes=3, workflow.name=voting" in text
     assert "- b (b-s0): workflow.n_votes=5, workflow.name=voting" in text
     assert "- c (c-s0): workflow.n_votes=3, workflow.name=voting, workflow.supervisor_example=True" in text
@@ -132,3 +136,22 @@ def test_a_tied_dominant_role_is_the_first_seen_whatever_the_hash_seed():
     got = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": str(seed)},
                           capture_output=True, text=True, check=True).stdout.strip() for seed in range(8)}
     assert got == {"worker"}
+
+
+def test_validation_chooses_the_peak_step_and_an_unlike_single_is_left_blank(tmp_path):
+    """With val/pass@1 the peak step is validation's and the peak is the test accuracy there (not the test
+    maximum); a single-agent run of another length gets no Δ, and the report says on which keys it differs."""
+    run = _run(tmp_path, "val", {0: 0.30, 4: 0.70, 8: 0.50, 10: 0.45})
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    val = {0: 0.2, 4: 0.3, 8: 0.6, 10: 0.6}
+    for r in records:
+        if r["step"] in val:
+            r["val/pass@1"] = val[r["step"]]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    s = summarize(run)
+    assert (s["peak"], s["peak_step"], s["final"], s["selected_on"]) == (0.50, 8, 0.45, "validation")
+    assert s["cliff"] is False  # the test curve drops 0.70 → 0.45 late (a cliff on test), validation holds
+    single = _run(tmp_path, "single", {0: 0.20, 12: 0.42}, workflow="single", steps=12)
+    text = write_report([run, single], tmp_path / "out").read_text()
+    assert "| val | voting/arith/tiny-qwen3/shared | 1 | 0.300 (1 seed) | 0.500 (8) | 0.450 (1 seed) |" in text
+    assert "- val: Δ vs single left blank: the single-agent runs differ in steps." in text

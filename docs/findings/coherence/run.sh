@@ -9,7 +9,7 @@ seed=${1:-0}
 mkdir -p runs/findings
 for n in 3 5; do
   for opt in sgd adamw; do
-    lr=1.0e-3; [ "$opt" = sgd ] && lr=4.0
+    lr=1.0e-3; [ "$opt" = sgd ] && lr=0.5
     for null in false true; do
       name=coh-n$n-$opt$([ "$null" = true ] && echo -null || true)-s$seed
       rm -rf "runs/findings/$name"
