@@ -21,7 +21,7 @@ LAYERS: dict[str, str] = {
     "marljax.workflows": "workflows",
     "marljax.rl": "rl",
     **{f"marljax.{m}": "entry" for m in ("train", "evaluate", "report", "compare", "generate", "matrix", "config",
-                                         "checkpoint", "metrics", "aot", "_cli", "launch_specs")},
+                                         "checkpoint", "metrics", "aot", "_cli", "launch_specs", "seed_stats")},
     "marljax": "entry",
 }
 MAY_IMPORT: dict[str, set[str]] = {
