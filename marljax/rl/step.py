@@ -10,7 +10,10 @@ For every role r the step computes its loss L_r and gradient g_r w.r.t. its own 
        loss of the set), `equal` (1/R), or `inverse_norm` (∝ 1/‖g_r‖, equal mass per role);
        then × 1/N for a role of N parallel same-role agents under `same_role_scale` (after the
        normalisation: the same 1/N whether the role shares its set or not; the optimizer steps unchanged);
-  d_r  coherence damping (the paper's I6): 1 − λ·clamp(cos(g_r, EMA(g_r)), 0, 1).
+  d_r  coherence damping (the paper's I6): 1 − λ·clamp(cos(g_r, EMA(g_r)), 0, 1). The EMA tracks the
+       undamped g_r (the authors' code tracks d_r·g_r): an EMA of damped gradients weighs each past step
+       by the damping it caused, so the coherence estimate would feed on its own control; undamped, it
+       measures the role's gradient direction alone. The paper's λ ≤ 0.3 keeps the two close.
 Then clip + AdamW per set (optax). Diagnostics, per mini-batch (fields of `RoleMetrics`, `SetMetrics`):
   `grad_norm`     ‖g_r‖, the role's own gradient (its loss alone, on its samples of the mini-batch);
   `grad_mass`     ‖c_r g_r‖, its weighted contribution to G;
