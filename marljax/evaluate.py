@@ -6,9 +6,10 @@ evaluates a training run's parameter sets and routing: its newest checkpoint, or
 state of its best eval during training. `transfer=all|generators` with `workflow=W` is the paper's SA→MA
 transfer control: a single-agent run's set on every role of W, or on its solving roles with the base model
 on the supervisory ones. Checkpoint evals are also written to RUN_DIR/evals/<name>.json, where the report
-finds them; RUN_DIR may be a bucket (`gs://…`, see marljax.storage). The base config is chosen as `train`'s:
-`--config FILE` (or the checkpoint's config.yaml); no arguments at all: configs/default.yaml; only
-key=value: the paper's settings. The first lines (stderr) name the base and the keys that depart from the
+finds them; RUN_DIR may be a bucket (`gs://…`, see marljax.storage). The base config: with
+`checkpoint=RUN_DIR`, the run's own RUN_DIR/config.yaml (`--config` beside it is refused: key=value
+changes the eval's keys); else as `train`'s: `--config FILE`; no arguments at all: configs/default.yaml;
+only key=value: the paper's settings. The first lines (stderr) name the base and the keys that depart from the
 paper's settings. The last line printed is `pass@1 = <float>`.
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ SHORTCUTS = ("n", "checkpoint", "which", "transfer")
 def parse(argv: list[str] | None):
     """(args, config overrides, {shortcut: value})."""
     ap = argparse.ArgumentParser(prog="python -m marljax.evaluate", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", help="YAML config (e.g. a run's config.yaml)")
+    ap.add_argument("--config", help="YAML config (not with checkpoint=: a run is evaluated under its own)")
     ap.add_argument("--out", help="write metrics.json and transcripts.jsonl here")
     ap.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     ap.add_argument("overrides", nargs="*", help="key=value; n=N, checkpoint=RUN_DIR, which=newest|peak, "
@@ -146,12 +147,15 @@ def main(argv: list[str] | None = None) -> None:
     which, transfer = short.get("which", "newest"), short.get("transfer")
     config_file = args.config
     if checkpoint is not None:
+        config_file = str(checkpoint / "config.yaml")
+        if args.config is not None:
+            ap.exit(2, f"config error: --config {args.config} and checkpoint={checkpoint} were both given; a run "
+                       f"is evaluated under its own config, {config_file}. Drop --config and give what the eval "
+                       "changes as key=value (e.g. workflow=voting transfer=all n=100).\n")
         try:
             storage.connect(checkpoint)
         except storage.StorageError as e:
             ap.exit(2, f"storage error: {e}\n")
-    if checkpoint is not None and config_file is None:
-        config_file = str(checkpoint / "config.yaml")
         if not epath.Path(config_file).exists():
             ap.exit(2, f"checkpoint={checkpoint}: no config.yaml there; is it a marljax run directory?\n")
     try:

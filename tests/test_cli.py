@@ -103,6 +103,24 @@ def test_evaluate_takes_its_base_the_same_way(capsys, monkeypatch):
     assert yaml.safe_load(out)["model"] == "smollm2-135m-instruct" and err.startswith(f"config: {DEMO_CONFIG}")
 
 
+def test_a_checkpoint_is_evaluated_under_its_own_config(tmp_path, capsys, monkeypatch):
+    """checkpoint=RUN reads RUN/config.yaml (its first line says so); with --config beside it the pair is
+    refused, naming both files, before anything loads."""
+    monkeypatch.setattr(train, "Run", _refuse)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(DEMO_CONFIG.read_text().replace("name: voting", "name: single"))
+    evaluate.main(["--print-config", f"checkpoint={run}", "n=3"])
+    out, err = capsys.readouterr()
+    assert err.splitlines()[0] == f"config: {run / 'config.yaml'}"
+    assert yaml.safe_load(out)["workflow"]["name"] == "single"
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--config", str(DEMO_CONFIG), f"checkpoint={run}", "workflow=voting", "transfer=all"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "both given" in err
+    assert str(DEMO_CONFIG) in err and str(run / "config.yaml") in err and "Drop --config" in err
+
+
 def test_make_run_passes_the_demo_explicitly():
     makefile = (ROOT / "Makefile").read_text()
     recipe = makefile.split("\nrun:", 1)[1].split("\n\n", 1)[0]
