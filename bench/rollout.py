@@ -21,6 +21,11 @@ stop on the chat's end tokens. Contenders, alternated within each repeat (the ma
           draw of then, `jax.random.categorical` over the whole vocabulary (`draw.full_categorical`), over
           its KV cache layout of then ("keys_sd"); its later blocked draw and "keys_ds" cache, which the
           engine shares, are the only changes since in float32
+  generate-default  `marljax.sampling.generate(model, prompts, params)`, the call a newcomer writes (its
+          per-layer weights made once per model, its slots from the request)
+  generate-tuned  the same with `layers=layer_weights(model)` and `num_slots=--slots` (the tuned call)
+  generate-before  what `generate(model, prompts, params)` ran before its layers were cached:
+          `Engine(model, num_slots=64).generate(prompts, params)` (the layers sliced anew per call)
   hf      transformers `generate` (torch CPU float32 whatever `--dtype`: its GGUF load computes in float32,
           and in bfloat16 it did not finish 2 sequences in 10 min here) on the same batch, left-padded
 The engine and the static sampler read the per-layer weights the trainer makes once per sampling call
@@ -30,8 +35,8 @@ its own seed (all contenders the same one). Compile time is excluded: every cont
 once first (HF: warm-up only), and that run is not timed. Also counted: prompt tokens prefilled, and the
 peak KV memory (engine: peak pages in use × page bytes; static: its [B, P + max_new] cache).
 
-    nice python bench/rollout.py [--prompts 8] [--samples 8] [--repeats 2] [--dtype float32|bfloat16]
-                                 [--contenders engine static hf] [--write]
+    nice python bench/rollout.py [--prompts 8] [--samples 8] [--repeats 2] [--max-new 256]
+                                 [--dtype float32|bfloat16] [--contenders engine static hf] [--write]
 """
 from __future__ import annotations
 
@@ -53,13 +58,13 @@ import numpy as np
 from marljax.engine import Engine
 from marljax.models import ChatCodec, load_model, load_tokenizer
 from marljax.models.sources import smollm2_gguf_path
-from marljax.sampling import SamplingParams, layer_weights
+from marljax.sampling import SamplingParams, generate, layer_weights
 from marljax.static_sampler import generate_static
 from marljax.shapes import bucket, bucket_rows
 from marljax.workflows.prompts import prompt_set
 
 GSM8K = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "gsm8k" / "test.jsonl"
-TEMPERATURE, MAX_NEW = 0.7, 256
+TEMPERATURE = 0.7
 
 
 def workload(codec: ChatCodec, n_prompts: int, samples: int) -> list[list[int]]:
@@ -70,14 +75,14 @@ def workload(codec: ChatCodec, n_prompts: int, samples: int) -> list[list[int]]:
             for q in questions for _ in range(samples)]
 
 
-def params(codec: ChatCodec, seed: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=MAX_NEW, temperature=TEMPERATURE, top_p=1.0, top_k=0,
-                          stop_token_ids=tuple(codec.stop_token_ids), seed=seed)
+def params(ctx, seed: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=ctx["max_new"], temperature=TEMPERATURE, top_p=1.0, top_k=0,
+                          stop_token_ids=tuple(ctx["codec"].stop_token_ids), seed=seed)
 
 
 def run_engine(ctx, prompts, seed, name="engine"):
     t = time.perf_counter()
-    out = ctx[name].generate(prompts, params(ctx["codec"], seed), layers=ctx["layers"])
+    out = ctx[name].generate(prompts, params(ctx, seed), layers=ctx["layers"])
     wall = time.perf_counter() - t
     ctx[name].release()  # its pool is not held while the other contenders run (the next call allocates anew)
     return wall, sum(map(len, out.tokens))
@@ -85,7 +90,20 @@ def run_engine(ctx, prompts, seed, name="engine"):
 
 def run_static(ctx, prompts, seed, **how):
     t = time.perf_counter()
-    out = generate_static(ctx["model"], prompts, params(ctx["codec"], seed), layers=ctx["layers"], **how)
+    out = generate_static(ctx["model"], prompts, params(ctx, seed), layers=ctx["layers"], **how)
+    return time.perf_counter() - t, sum(map(len, out.tokens))
+
+
+def run_generate(ctx, prompts, seed, how):
+    """`how`: default (`generate(model, prompts, params)`), tuned (layers and slots passed) or before."""
+    model, sp = ctx["model"], params(ctx, seed)
+    t = time.perf_counter()
+    if how == "default":
+        out = generate(model, prompts, sp)
+    elif how == "tuned":
+        out = generate(model, prompts, sp, layers=ctx["layers"], num_slots=ctx["slots"])
+    else:
+        out = Engine(model, num_slots=64).generate(prompts, sp)
     return time.perf_counter() - t, sum(map(len, out.tokens))
 
 
@@ -100,7 +118,7 @@ def run_hf(ctx, prompts, seed):
     torch.manual_seed(seed)
     t = time.perf_counter()
     with torch.no_grad():
-        out = ctx["hf"].generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=True,
+        out = ctx["hf"].generate(ids, attention_mask=mask, max_new_tokens=ctx["max_new"], do_sample=True,
                                  temperature=TEMPERATURE, top_p=1.0, top_k=0, eos_token_id=stops,
                                  pad_token_id=stops[0])
     wall = time.perf_counter() - t
@@ -118,6 +136,8 @@ ENGINES = {"engine": {}, "engine-xla-chunk": {"attention": "chunk"}, "engine-gat
 CONTENDERS = {**{name: functools.partial(run_engine, name=name) for name in ENGINES},
               "static": run_static,
               "static-issue-start": functools.partial(run_static, draw="categorical", cache_layout="keys_sd"),
+              **{f"generate-{how}": functools.partial(run_generate, how=how)
+                 for how in ("default", "tuned", "before")},
               "hf": run_hf}
 
 
@@ -127,6 +147,7 @@ def main():
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--max-new", type=int, default=256, help="new tokens per sequence at most")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="the JAX contenders' weights, activations and KV cache (float32 accumulation)")
     ap.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS))
@@ -142,7 +163,8 @@ def main():
         hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     model = load_model("smollm2-135m-instruct", dtype=args.dtype)
     codec = ChatCodec(load_tokenizer("smollm2-135m-instruct"))
-    ctx = {"model": model, "layers": layer_weights(model), "codec": codec, "hf": hf,
+    ctx = {"model": model, "layers": layer_weights(model), "codec": codec, "hf": hf, "max_new": args.max_new,
+           "slots": args.slots,
            **{name: Engine(model, num_slots=args.slots, **kw) for name, kw in ENGINES.items()
               if name in args.contenders or name == "engine"}}
     prompts = workload(codec, args.prompts, args.samples)
@@ -167,17 +189,18 @@ def main():
     cfg, stats = model.config, ctx["engine"].stats
     n, P = len(prompts), max(map(len, prompts))
     itemsize = np.dtype(jax.numpy.dtype(args.dtype)).itemsize
-    static_kv = (bucket_rows(n) * (bucket(P, 16) + MAX_NEW) * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-                 * itemsize)
+    static_kv = (bucket_rows(n) * (bucket(P, 16) + args.max_new) * 2 * cfg.num_layers * cfg.num_kv_heads
+                 * cfg.head_dim * itemsize)
     cmd = (f"nice python bench/rollout.py --prompts {args.prompts} --samples {args.samples} "
-           f"--repeats {args.repeats} --slots {args.slots} --dtype {args.dtype} --contenders {' '.join(contenders)}")
+           f"--repeats {args.repeats} --slots {args.slots} --max-new {args.max_new} --dtype {args.dtype} "
+           f"--contenders {' '.join(contenders)}")
     lines = [f"## Rollout engine (SmolLM2-135M, GSM8K {args.prompts} × {args.samples}, {args.dtype}, CPU)", "",
              f"`{cmd}` on {time.strftime('%Y-%m-%d %H:%M')}, {machine()}, jax {jax.__version__}, torch "
              f"{torch.__version__}; load average {load_start[0]:.1f} at the start and {load_end[0]:.1f} at the end "
              "(the machine was shared with other jobs: absolute rates are low, the contenders alternate so the "
              f"ratios hold better). {n} sequences: {args.prompts} GSM8K test questions in the math solve prompt "
              f"(prompts {min(map(len, prompts))}–{P} tokens), each {args.samples} times; T = {TEMPERATURE}, "
-             f"top-p 1, max {MAX_NEW} new tokens, chat stop tokens. Useful tokens = generated up to and including "
+             f"top-p 1, max {args.max_new} new tokens, chat stop tokens. Useful tokens = generated up to and including "
              "the first stop; tokens/s over each call's wall time, prefill included; mean ± s.e. over "
              f"{args.repeats} repeats (one seed each, shared by the contenders). Excluded: compile time (every "
              "contender first runs the workload once, untimed: first-run seconds in the last column). Engine: "
@@ -202,7 +225,7 @@ def main():
               f"{stats.pool_bytes / 2**20:.1f} MiB; the chunk path's dense copy of the decode rows' pages, held "
               f"from chunk to chunk: up to {stats.peak_dense_bytes / 2**20:.1f} MiB more, "
               f"{stats.dense_row_gathers} of {stats.decode_rows} running rows gathered into it) vs the static sampler's cache {static_kv / 2**20:.1f} MiB "
-              f"({bucket_rows(n)} × {bucket(P, 16) + MAX_NEW} positions). Engine decode work in the last run: "
+              f"({bucket_rows(n)} × {bucket(P, 16) + args.max_new} positions). Engine decode work in the last run: "
               f"{stats.decode_steps} row-steps for {stats.generated_tokens} tokens.", ""]
     for name in contenders:
         if name in ENGINES and name != "engine":

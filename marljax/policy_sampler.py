@@ -21,7 +21,7 @@ from flax import nnx
 
 from marljax import sharding
 from marljax.engine import Engine
-from marljax.engine.engine import CHUNK_STEPS, Stream
+from marljax.engine.engine import CHUNK_STEPS, NUM_SLOTS, Stream
 from marljax.models.decoder import Decoder
 from marljax.sampling import SampleOutput, SamplingParams, layer_weights
 
@@ -37,7 +37,7 @@ class SamplerSettings:
     top_k: int
     stop_token_ids: tuple[int, ...]
     max_cache_tokens: int  # KV positions each batch rank's page pool holds; 0: grows as needed
-    num_slots: int = 64  # sequences each batch rank decodes at once
+    num_slots: int = NUM_SLOTS  # sequences each batch rank decodes at once
     prefill_tokens: int = 0  # positions per prefill call (chunked prefill); 0: whole prompts
     chunk_steps: int = CHUNK_STEPS  # decode steps per jitted chunk of the engine
     mix_sets: bool = False  # LoRA sets decode in one batch, each row applying its own adapter

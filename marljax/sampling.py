@@ -9,29 +9,48 @@ the seed and i only (batch-invariant, reproducible). Greedy outputs equal the st
 from __future__ import annotations
 
 import functools
+import weakref
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from marljax.engine import Engine
+from marljax.engine.engine import NUM_SLOTS
 from marljax.engine.draw import SampleOutput, SamplingParams, choose, first_argmax
 from marljax.models.decoder import Decoder
 from marljax.models.lora import lora_delta, merged_weight
 
-__all__ = ["SampleOutput", "SamplingParams", "choose", "first_argmax", "generate", "layer_weights"]
+__all__ = ["SampleOutput", "SamplingParams", "choose", "first_argmax", "generate", "layer_weights", "model_layers"]
 
 
 def generate(model: Decoder, prompts: list[list[int]], params: SamplingParams, *, lora=None,
-             lora_scale: float = 1.0, layers: list[dict] | None = None, num_slots: int = 64) -> SampleOutput:
+             lora_scale: float = 1.0, layers: list[dict] | None = None, num_slots: int | None = None) -> SampleOutput:
     """Sample a continuation of every prompt (see the module docstring). The decode loop reads per-layer
     weights: `layers` (`layer_weights`, made once by callers that sample repeatedly from the same
-    weights), else `lora` folded into the model's (`layer_weights(model, lora, lora_scale)`), else the
-    model's own, sliced out of the stacked parameters on every call. `num_slots`: sequences decoded at
-    once."""
-    if layers is None and lora is not None:
-        layers = layer_weights(model, lora, lora_scale)
+    weights), else `lora` folded into the model's (`layer_weights(model, lora, lora_scale)`, per call),
+    else the model's own (`model_layers`: made once per model). `num_slots`: sequences decoded at once;
+    None: one per prompt, at most `NUM_SLOTS` (more slots than sequences only cost)."""
+    if layers is None:
+        layers = model_layers(model) if lora is None else layer_weights(model, lora, lora_scale)
+    if num_slots is None:
+        num_slots = max(1, min(len(prompts), NUM_SLOTS))
     return Engine(model, num_slots=num_slots).generate(prompts, params, layers=layers)
+
+
+# model -> (weak references to the parameter arrays its layers were made from, the layers)
+_MODEL_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def model_layers(model: Decoder) -> list[dict]:
+    """`layer_weights(model)`, made once and reused while the model's parameters are the same arrays (a
+    new value of any parameter makes them anew). Held while the model lives: one copy of its layers."""
+    arrays = jax.tree.leaves(nnx.state(model))
+    refs, layers = _MODEL_LAYERS.get(model, ((), None))
+    if len(refs) != len(arrays) or any(r() is not a for r, a in zip(refs, arrays)):
+        layers = layer_weights(model)
+        _MODEL_LAYERS[model] = (tuple(weakref.ref(a) for a in arrays), layers)
+    return layers
 
 
 def layer_weights(model: Decoder, adapter: dict | None = None, scale: float = 1.0) -> list[dict]:

@@ -11,7 +11,8 @@ from flax import nnx
 from marljax.engine.draw import blocked_categorical
 from marljax.models.decoder import Decoder, ModelConfig
 from marljax.models.lora import LoRAConfig, init_lora, merged_model
-from marljax.sampling import SamplingParams, choose, first_argmax, generate, layer_weights
+from marljax.engine.engine import NUM_SLOTS
+from marljax.sampling import SamplingParams, choose, first_argmax, generate, layer_weights, model_layers
 
 CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, rope_theta=10_000.0, tie_embeddings=False)
@@ -92,6 +93,33 @@ def test_layer_weights_fold_a_lora_adapter_exactly(model):
     np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
     plain = generate(model, PROMPTS, sp, layers=layer_weights(model))
     assert plain.tokens == generate(model, PROMPTS, sp).tokens
+
+
+def test_default_call_samples_as_the_tuned_call(model):
+    """`generate(model, prompts, params)` (its layers made once per model, slots from the request) gives
+    the tokens of the tuned call (layers passed, `NUM_SLOTS` slots); logprobs within 1e-5."""
+    sp = SamplingParams(max_new_tokens=12, temperature=0.7, seed=3)
+    plain = generate(model, PROMPTS, sp)
+    tuned = generate(model, PROMPTS, sp, layers=layer_weights(model), num_slots=NUM_SLOTS)
+    assert plain.tokens == tuned.tokens
+    for a, b in zip(plain.logprobs, tuned.logprobs):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_model_layers_are_reused_until_a_parameter_changes():
+    """An unchanged model reuses its per-layer weights; a new parameter value makes them (and the
+    samples) anew."""
+    m = Decoder(CFG, rngs=nnx.Rngs(1))
+    m.lm_head[...] = m.lm_head[...] * 15.0
+    first = model_layers(m)
+    assert model_layers(m) is first
+    sp = SamplingParams(max_new_tokens=10, temperature=0.0)
+    before = generate(m, PROMPTS, sp)
+    m.layers["w_down"][...] = 40.0 * jax.random.normal(jax.random.key(5), m.layers["w_down"].shape)
+    assert model_layers(m) is not first
+    after = generate(m, PROMPTS, sp)
+    assert after.tokens != before.tokens
+    assert after.tokens == generate(m, PROMPTS, sp, layers=layer_weights(m)).tokens
 
 
 def test_sampling_is_deterministic_per_seed(model):

@@ -60,6 +60,7 @@ PREFILL_CHUNK_MIN = 16  # positions: the shortest prefill call (prompt lengths b
 # dense copy) for a few more idle row-steps; 1.03x the rate of 16 on the 32 x 8 GSM8K bench (mean of three
 # repeats in two runs, 0.996-1.056; docs/benchmarks.md "Rollout engine (SmolLM2-135M, GSM8K 32 x 8").
 CHUNK_STEPS = 32
+NUM_SLOTS = 64  # sequences decoded at once, the default of every caller that does not size its own
 
 
 @dataclasses.dataclass
@@ -95,10 +96,10 @@ class Engine:
     find free to be admitted, its worst case or its first chunk (optimistic: a pool sized by the tokens in
     flight, preempting the latest requests when it runs short; a growable pool grows instead)."""
 
-    def __init__(self, model: Decoder, *, num_slots: int = 64, page_size: int = 16, num_pages: int | None = None,
-                 chunk_steps: int = CHUNK_STEPS, share_prefixes: bool = True, attention: str = "auto",
-                 prefill_tokens: int | None = None, ranks: int = 1, admission: str = "worst_case",
-                 length_groups: int = 1):
+    def __init__(self, model: Decoder, *, num_slots: int = NUM_SLOTS, page_size: int = 16,
+                 num_pages: int | None = None, chunk_steps: int = CHUNK_STEPS, share_prefixes: bool = True,
+                 attention: str = "auto", prefill_tokens: int | None = None, ranks: int = 1,
+                 admission: str = "worst_case", length_groups: int = 1):
         if min(num_slots, page_size, chunk_steps, ranks, length_groups) < 1:
             raise ValueError(f"num_slots={num_slots}, page_size={page_size}, chunk_steps={chunk_steps}, "
                              f"ranks={ranks} and length_groups={length_groups} must be ≥ 1.")
