@@ -3,7 +3,7 @@ topology with the trainer's former log-prob chunks (256 positions of every row a
 (at most `LOGPROB_BYTES` of float32 logits per chip), at the planned token budget (one longest row per chip)
 and at half of it: XLA's peak per chip.
 
-    PYTHONPATH=. python bench/aot_short_rows.py [--cell eval_opt-math-qwen3-4b-isolated] [--topology v5e-8]
+    PYTHONPATH=. python bench/aot_short_rows.py [--cell eval_opt-math-qwen3-4b-isolated] [--topology v5e-8] [--layers N]
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cell", default="eval_opt-math-qwen3-4b-isolated")
     ap.add_argument("--topology", default="v5e-8", choices=sorted(aot.TOPOLOGIES))
+    ap.add_argument("--layers", type=int, help="compile this many layers of the model (a smoke run: 1)")
     a = ap.parse_args()
     cell = next(c for c in matrix.cells() if c.name == a.cell)
     acc = matrix.ACCELERATORS[a.topology]
@@ -31,7 +32,8 @@ def main() -> None:
     print(f"# {a.cell} on {a.topology}: {short}")
     for name, c, budget in (("256 positions per row", cfg, per_row), ("LOGPROB_BYTES", cfg, None),
                             ("LOGPROB_BYTES, half the token budget", half, None)):
-        r = aot.compile_cell(cell, c, a.topology, acc, shape="short", logprob_bytes=budget)
+        r = aot.compile_cell(cell, c, a.topology, acc, shape="short", logprob_bytes=budget,
+                             layers=a.layers)
         print(f"{name:38} rows {r.rows:4d} × {r.length}: peak {r.total_bytes / aot.GiB:.2f} GiB per chip, "
               f"fits {r.fits}" + (f" ({r.program.oom[:80]})" if r.program.oom else ""), flush=True)
 

@@ -1,7 +1,7 @@
 """Base-model workflow pass@1: `python -m marljax.evaluate` for each workflow, tabulated into docs/baselines.md.
 
     python bench/baselines.py --n 100 [--config configs/default.yaml] [--worked-example true|false]
-        [--max-new-tokens 32] [--workflows single voting ...]
+        [--max-new-tokens 32] [--workflows single voting ...] [--no-write]
 
 Runs the exact `evaluate` command for every workflow (printed and written into the doc) on the config's
 model and task (by default the default run's: SmolLM2-135M, easy arithmetic), reads its metrics.json, and
@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--worked-example", nargs="?", const="true", default="true", choices=["true", "false"])
     ap.add_argument("--workflows", nargs="+", default=list(WORKFLOWS), choices=WORKFLOWS)
+    ap.add_argument("--no-write", action="store_true", help=f"print the section, leave {DOC.name} alone")
     ap.add_argument("overrides", nargs="*", help="more evaluate key=value overrides (e.g. task.options=...)")
     args = ap.parse_args()
     cfg = load_config(args.config, args.overrides)  # fails early on a bad config
@@ -74,9 +75,12 @@ def main() -> None:
         "re-graded on its own output.", "",
         "| workflow | pass@1 | answer-role accuracy | answer-role parse fail | truncated | any correct | seconds |",
         "|---|---|---|---|---|---|---|", *rows, "", "Commands:", "", "```", *commands, "```", ""])
-    write_section(title, text, DOC, "# Base-model baselines\n\nWritten by `bench/baselines.py`; one section per "
-                  "(model, task, prompt, length) setting.")
-    print(f"wrote {DOC}")
+    if args.no_write:
+        print(text)
+    else:
+        write_section(title, text, DOC, "# Base-model baselines\n\nWritten by `bench/baselines.py`; one section per "
+                      "(model, task, prompt, length) setting.")
+        print(f"wrote {DOC}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """XLA CPU matmul rates at the decoder's shapes: float32, bfloat16 with a bfloat16 output, and bfloat16 with
 a float32 output rounded to bfloat16 after (what `decoder.linear` does, models/precision.py).
 
-    python bench/bf16_matmul.py [--samples 5] [--write]     # the "## bf16 matmuls" section of docs/benchmarks.md
+    python bench/bf16_matmul.py [--samples 5] [--write] [--smoke]   # "## bf16 matmuls" of docs/benchmarks.md
 
 Shapes: SmolLM2-135M's MLP up (576 → 1536) and down (1536 → 576) and its logits (576 → 49152), at 64
 rows (a decode step of 64 sequences) and 1024 rows (prefill or a train step's mini-batch). The three
@@ -47,10 +47,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=5)
     ap.add_argument("--write", action="store_true", help="replace the section in docs/benchmarks.md")
+    ap.add_argument("--smoke", action="store_true", help="one tiny shape: seconds")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     rows = []
-    for m, k, n in SHAPES:
+    for m, k, n in [(8, 16, 32)] if args.smoke else SHAPES:
         x32, w32 = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32) / np.sqrt(k)
         inputs = {name: (jnp.asarray(x32, dt), jnp.asarray(w32, dt)) for name, (dt, _) in VARIANTS.items()}
         rates = {name: [] for name in VARIANTS}

@@ -3,14 +3,14 @@ compute: the trainer's jitted update on SmolLM2-135M shapes (LoRA rank 64 on all
 `rows` × `length` tokens, half of them response, with each remat policy. bfloat16 stores the frozen base
 in bfloat16 (param_dtype = dtype); the adapters and AdamW state stay float32 in both.
 
-    python bench/bf16_memory.py [--rows 2] [--length 256] [--remat full dots] [--write]
+    python bench/bf16_memory.py [--rows 2] [--length 256] [--remat full dots] [--write] [--smoke]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
-from benchdoc import machine, publish  # first (before jax); bench/ is on sys.path when a script here runs
+from benchdoc import machine, publish, smoke_config  # first (before jax); bench/ is on sys.path when a script here runs
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -30,13 +30,12 @@ def step_memory(config, rows: int, length: int, remat: str, rank: int = 64):
     trainer = Trainer(model, StepConfig(route=(("r", "s"),), lora_scale=lora.scale, remat=remat),
                       make_optimizer())
     params = {"s": jax.eval_shape(lambda: init_lora(config, lora, jax.random.key(0)))}
-    opt = {"s": jax.eval_shape(trainer.optimizer.init, params["s"])}
+    state = jax.eval_shape(trainer.init_state, params)
     s, R = jax.ShapeDtypeStruct, length // 2
     f32 = jnp.float32
     batch = {"r": RoleBatch(s((rows, length), jnp.int32), s((rows,), jnp.int32), s((rows, R), f32),
                             s((rows,), f32), s((rows, R), f32), s((rows, R), f32), s((rows,), f32))}
-    lowered = trainer._update_jit.lower(trainer.base_state, params, opt, {}, batch, s((), f32),
-                                        recompute_old=False)
+    lowered = trainer._update_jit.lower(trainer.base_state, state, batch, s((), f32), recompute_old=False)
     return lowered.compile().memory_analysis()
 
 
@@ -46,8 +45,11 @@ def main():
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--remat", nargs="+", default=["full", "dots"])
     ap.add_argument("--write", action="store_true", help="put the table into docs/benchmarks.md")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model (benchdoc.smoke_config): seconds")
     a = ap.parse_args()
     base = PRESETS["smollm2-135m-instruct"]
+    if a.smoke:
+        base = smoke_config(base)
     lines = ["## bf16 step memory (compiled, XLA CPU)", "",
              f"`python bench/bf16_memory.py --rows {a.rows} --length {a.length}` on {machine(malloc=False)}: "
              f"the trainer's update on SmolLM2-135M shapes, LoRA rank 64 on all linear maps, {a.length}-token "

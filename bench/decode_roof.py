@@ -10,7 +10,7 @@ Tokens/s bounds are B over the step time: every row yields a token per step. A s
 a time cannot beat B / matmuls-time; continuous batching and paged KV only remove work beyond it
 (finished rows decoded on, padded columns attended, prompts prefilled more than once).
 
-    nice python bench/decode_roof.py [--rows 64 256] [--length 256] [--samples 5] [--write]
+    nice python bench/decode_roof.py [--rows 64 256] [--length 256] [--samples 5] [--write] [--smoke]
 """
 from __future__ import annotations
 
@@ -18,12 +18,11 @@ import argparse
 import statistics
 import time
 
-from benchdoc import machine, publish  # first (before jax); bench/ is on sys.path when a script here runs
+from benchdoc import bench_model, machine, publish  # first (before jax); bench/ is on sys.path when a script here runs
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marljax.models import load_model
 from marljax.models.decoder import init_cache
 from marljax.sampling import layer_weights
 
@@ -63,8 +62,9 @@ def main():
     ap.add_argument("--length", type=int, default=256, help="cache columns the whole step attends")
     ap.add_argument("--samples", type=int, default=5)
     ap.add_argument("--write", action="store_true", help="replace the section in docs/benchmarks.md")
+    ap.add_argument("--smoke", action="store_true", help="a tiny random model (benchdoc.smoke_config): seconds")
     args = ap.parse_args()
-    model = load_model("smollm2-135m-instruct")
+    model = bench_model("smollm2-135m-instruct", args.smoke)
     cfg, layers = model.config, layer_weights(model)
     embed = model.embed[...]
     mm = jax.jit(matmuls)

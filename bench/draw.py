@@ -2,7 +2,7 @@
 against the same per-row draw by `jax.random.categorical` (a Gumbel number per vocabulary entry: what it
 did before), on XLA CPU.
 
-    python bench/draw.py [--samples 5] [--write]     # the "## Token draw" section of docs/benchmarks.md
+    python bench/draw.py [--samples 5] [--write] [--smoke]     # the "## Token draw" section of docs/benchmarks.md
 
 Rows × vocabulary: 64 × 49,152 (a SmolLM2 decode step of 64 sequences) and 64 × 151,936 (Qwen3's
 vocabulary); T = 0.7, top-p 1, top-k off, each row its own key folded with its token index (as the
@@ -53,9 +53,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=5)
     ap.add_argument("--write", action="store_true", help="replace the section in docs/benchmarks.md")
+    ap.add_argument("--smoke", action="store_true", help="one tiny shape: seconds")
     args = ap.parse_args()
     rows = []
-    for b, v in SHAPES:
+    for b, v in [(2, 256)] if args.smoke else SHAPES:
         logits = jnp.asarray(np.random.default_rng(0).standard_normal((b, v), np.float32) * 3)
         keys = jax.random.key_data(jax.random.split(jax.random.key(0), b))
         n_gen = jnp.zeros(b, jnp.int32)

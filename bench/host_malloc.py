@@ -3,7 +3,7 @@ glibc's default (XLA CPU's multi-GB temp buffer mmapped afresh and faulted in on
 one worker process per (malloc, remat), since malloc is set when a process starts; the parent steps them
 in turn, each step after a 1 s pause, the first round compiling. See marljax/host_memory.py.
 
-    python bench/host_malloc.py [--batch 8] [--length 256] [--repeats 3] [--write]
+    python bench/host_malloc.py [--batch 8] [--length 256] [--repeats 3] [--write] [--smoke]
 """
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ import time
 MALLOCS, REMATS = ("retain", "system"), ("dots", "full")
 
 
-def worker(remat: str, rows: int, length: int) -> None:
+def worker(remat: str, rows: int, length: int, smoke: bool) -> None:
     """Build one LoRA contender, then answer each line on stdin with one timed step as JSON."""
     from train_step import Contender, random_batch  # keeps host memory before jax (per env)
 
+    from benchdoc import bench_model
+
     from marljax import host_memory
-    from marljax.models import load_model
-    c = Contender(load_model("smollm2-135m-instruct"), random_batch(rows, length), lora=True, remat=remat)
+    c = Contender(bench_model("smollm2-135m-instruct", smoke), random_batch(rows, length), lora=True, remat=remat)
     print(json.dumps({"state": host_memory.state}), flush=True)
     for _ in sys.stdin:
         seconds, minflt, stime = c.step()
@@ -38,23 +39,25 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--write", action="store_true", help="replace the section in docs/benchmarks.md")
+    ap.add_argument("--smoke", action="store_true", help="a tiny random model (benchdoc.smoke_config): seconds")
     args = ap.parse_args()
     if args.worker:
-        return worker(args.worker, args.batch, args.length)
+        return worker(args.worker, args.batch, args.length, args.smoke)
     from benchdoc import machine, publish
     procs = {}
     for malloc in MALLOCS:
         for remat in REMATS:
             p = subprocess.Popen([sys.executable, __file__, "--worker", remat, "--batch", str(args.batch),
-                                  "--length", str(args.length)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 text=True, env={**os.environ, "MARLJAX_HOST_MALLOC": malloc})
+                                  "--length", str(args.length), *["--smoke"] * args.smoke],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 env={**os.environ, "MARLJAX_HOST_MALLOC": malloc})
             state = json.loads(p.stdout.readline())["state"]
             assert (state == "retained") == (malloc == "retain"), (malloc, state)
             procs[(malloc, remat)] = p
     runs = {k: [] for k in procs}
     for rep in range(args.repeats + 1):
         for key, p in procs.items():
-            time.sleep(1)
+            time.sleep(0 if args.smoke else 1)
             p.stdin.write("step\n")
             p.stdin.flush()
             r = json.loads(p.stdout.readline())

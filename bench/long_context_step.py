@@ -7,7 +7,7 @@ Each configuration runs in a fresh process (peak RSS is per process): two steps,
 first compiles). Reported: seconds per step, seconds per 1k tokens, peak RSS. Linear means time and
 memory per token flat in T; quadratic means they double per doubling.
 
-    python bench/long_context_step.py [--lengths 1024 2048 4096] [--samples 4] [--write]
+    python bench/long_context_step.py [--lengths 1024 2048 4096] [--samples 4] [--write] [--smoke]
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import time
 CONFIGS = (("dense", 0), ("auto", 0), ("auto", 1))  # (rl.attention, micro-batches of one sample?)
 
 
-def one(T: int, samples: int, attention: str, micro: bool) -> dict:
+def one(T: int, samples: int, attention: str, micro: bool, smoke: bool) -> dict:
     """Run in a child: build the trainer, take two steps, time the second, report peak RSS."""
-    from benchdoc import machine  # noqa: F401  (first, before jax: host memory as the CLIs keep it)
+    from benchdoc import smoke_config  # first, before jax: host memory as the CLIs keep it
     import resource
 
     import jax
@@ -35,6 +35,8 @@ def one(T: int, samples: int, attention: str, micro: bool) -> dict:
     from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, train_batch
 
     cfg = PRESETS["smollm2-135m-instruct"]
+    if smoke:
+        cfg = smoke_config(cfg)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     lora = LoRAConfig(rank=16, alpha=32)
     step_cfg = StepConfig(route=(("generator", "s"),), lora_scale=lora.scale, minibatch="balanced",
@@ -61,10 +63,11 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true", help="a tiny model (benchdoc.smoke_config): seconds")
     args = ap.parse_args()
     if args.child:
         T, samples, attention, micro = args.child
-        print(json.dumps(one(int(T), int(samples), attention, micro == "1")))
+        print(json.dumps(one(int(T), int(samples), attention, micro == "1", args.smoke)))
         return
     from benchdoc import machine, publish
 
@@ -72,7 +75,7 @@ def main() -> None:
     for T in args.lengths:  # contenders alternated within each length
         for attention, micro in CONFIGS:
             out = subprocess.run([sys.executable, __file__, "--child", str(T), str(args.samples), attention,
-                                  str(micro)], capture_output=True, text=True)
+                                  str(micro), *["--smoke"] * args.smoke], capture_output=True, text=True)
             if out.returncode:
                 rows.append({"T": T, "attention": attention, "micro": bool(micro),
                              "error": (out.stderr.strip().splitlines() or ["?"])[-1][:120]})

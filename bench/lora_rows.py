@@ -20,7 +20,7 @@ one call per set on its rows, each from its own merged copy of the weights, `sam
 Each contender's last-layer outputs are checked against a float64 per-set reference before timing (a
 contender off by more than 1e-4 stops the run).
 
-    nice python bench/lora_rows.py [--sets 3] [--rank 64] [--cache 256] [--repeats 5] [--write]
+    nice python bench/lora_rows.py [--sets 3] [--rank 64] [--cache 256] [--repeats 5] [--write] [--smoke]
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import os
 import statistics
 import time
 
-from benchdoc import machine, publish  # first (before jax); bench/ is on sys.path when a script here runs
+from benchdoc import machine, publish, smoke_config  # first (before jax); bench/ is on sys.path when a script here runs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -162,13 +162,17 @@ def decode_steps(G: int, rank: int, cache_len: int, repeats: int) -> dict[str, f
 
 
 def main():
+    global CONFIG, SHAPES  # a --smoke run shrinks what the helpers above read
     ap = argparse.ArgumentParser()
     ap.add_argument("--sets", type=int, default=3)
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cache", type=int, default=256, help="KV cache positions of the decode step")
     ap.add_argument("--write", action="store_true", help="replace the section in docs/benchmarks.md")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model (benchdoc.smoke_config), 4 rows: seconds")
     args = ap.parse_args()
+    if args.smoke:
+        CONFIG, SHAPES = smoke_config(CONFIG), {"decode": (4, 1), "prefill": (2, 8)}
     G, R, L = args.sets, args.rank, CONFIG.num_layers
     rng = np.random.default_rng(0)
 

@@ -7,6 +7,7 @@ joins the trace's op events with the optimized HLO (dumped by XLA) to name each 
     python bench/profile_ops.py sampler [--batch 16] [--new 32] [--top 30]
     python bench/profile_ops.py engine [--batch 64] [--new 32] [--prompt 64]   # the engine's decode chunks
     python bench/profile_ops.py step [--mode lora|full] [--remat full|dots|none] [--batch 8] [--length 256]
+    (--smoke: a tiny random model instead of SmolLM2-135M)
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def main():
     ap.add_argument("--remat", default="full", help="step: rl.remat")
     ap.add_argument("--length", type=int, default=256, help="step: tokens per row")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--smoke", action="store_true", help="a tiny random model (benchdoc.smoke_config): seconds")
     args = ap.parse_args()
     work = pathlib.Path(tempfile.mkdtemp(prefix="marljax-profile-"))
     module = {"sampler": "_sample", "engine": "_decode_chunk", "step": "_update"}[args.what]
@@ -43,8 +45,8 @@ def main():
     import jax
     import numpy as np
 
-    from marljax.models import load_model
-    model = load_model("smollm2-135m-instruct")
+    from benchdoc import bench_model
+    model = bench_model("smollm2-135m-instruct", args.smoke)
     rng = np.random.default_rng(0)
     if args.what in ("sampler", "engine"):
         from marljax.engine import Engine

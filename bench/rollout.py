@@ -36,7 +36,7 @@ once first (HF: warm-up only), and that run is not timed. Also counted: prompt t
 peak KV memory (engine: peak pages in use × page bytes; static: its [B, P + max_new] cache).
 
     nice python bench/rollout.py [--prompts 8] [--samples 8] [--repeats 2] [--max-new 256]
-                                 [--dtype float32|bfloat16] [--contenders engine static hf] [--write]
+                                 [--dtype float32|bfloat16] [--contenders engine static hf] [--write] [--smoke]
 """
 from __future__ import annotations
 
@@ -51,12 +51,12 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchdoc import machine, publish  # first (before jax); bench/ is on sys.path when a script here runs
+from benchdoc import bench_model, machine, publish  # first (before jax); bench/ is on sys.path when a script here runs
 import jax
 import numpy as np
 
 from marljax.engine import Engine
-from marljax.models import ChatCodec, load_model, load_tokenizer
+from marljax.models import ChatCodec, load_tokenizer
 from marljax.models.sources import smollm2_gguf_path
 from marljax.sampling import SamplingParams, generate, layer_weights
 from marljax.static_sampler import generate_static
@@ -152,6 +152,7 @@ def main():
                     help="the JAX contenders' weights, activations and KV cache (float32 accumulation)")
     ap.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS))
     ap.add_argument("--write", action="store_true", help="replace the section in docs/benchmarks.md")
+    ap.add_argument("--smoke", action="store_true", help="the JAX contenders on a tiny random model: seconds")
     args = ap.parse_args()
 
     import torch
@@ -161,7 +162,7 @@ def main():
     if "hf" in args.contenders:
         gguf = smollm2_gguf_path()
         hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    model = load_model("smollm2-135m-instruct", dtype=args.dtype)
+    model = bench_model("smollm2-135m-instruct", args.smoke, args.dtype)
     codec = ChatCodec(load_tokenizer("smollm2-135m-instruct"))
     ctx = {"model": model, "layers": layer_weights(model), "codec": codec, "hf": hf, "max_new": args.max_new,
            "slots": args.slots,

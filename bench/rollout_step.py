@@ -13,7 +13,7 @@ repeat (the machine drifts):
 Both fold the set's LoRA into per-layer weights once per rollout. Each repeat uses its own rollout seed
 (both contenders the same). Compile time is excluded: each contender first runs one untimed rollout.
 
-    nice python bench/rollout_step.py [--repeats 3] [--contenders before after after-chunk16] [--write]
+    nice python bench/rollout_step.py [--repeats 3] [--contenders before after after-chunk16] [--write] [key=value ...]
 """
 from __future__ import annotations
 
@@ -52,10 +52,11 @@ def main():
     ap.add_argument("--contenders", nargs="+", choices=["before", "after", "after-chunk16"],
                     default=["before", "after"])
     ap.add_argument("--write", action="store_true", help="replace the section in docs/benchmarks.md")
+    ap.add_argument("overrides", nargs="*", help="key=value on configs/default.yaml (a smoke run: a tiny model)")
     args = ap.parse_args()
     if not {"before", "after"} <= set(args.contenders):
         ap.error("--contenders needs before and after (their ratio is the result)")
-    cfg = load_config("configs/default.yaml", [])
+    cfg = load_config("configs/default.yaml", args.overrides)
     run = Run(cfg)
     params = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape), run.state.params)
     T = run.cfg.sampling.temperature

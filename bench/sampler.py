@@ -9,7 +9,7 @@ FLOPs: prefill = every prompt token through the layers (causal attention) and th
 prompt position only (where the sampler computes logits); decode = each new token's layers, attention
 over its context and head.
 
-    python bench/sampler.py [--batches 1 16 64] [--repeats 3] [--write]
+    python bench/sampler.py [--batches 1 16 64] [--repeats 3] [--write] [--smoke]
 """
 from __future__ import annotations
 
@@ -20,11 +20,10 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchdoc import machine, write_section  # first (before jax); bench/ is on sys.path when a script here runs
+from benchdoc import bench_model, machine, write_section  # first (before jax); bench/ is on sys.path
 import jax
 import numpy as np
 
-from marljax.models import load_model
 from flops import decode_flops, prefill_flops
 from roofline import matmul_gflops
 from marljax.models.sources import smollm2_gguf_path
@@ -57,7 +56,9 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--write", action="store_true", help="replace the section in docs/benchmarks.md")
+    ap.add_argument("--smoke", action="store_true", help="ours a tiny random model, 8-token prompts, 4 new: seconds")
     args = ap.parse_args()
+    prompt_len, new = (8, 4) if args.smoke else (PROMPT, NEW)
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -65,15 +66,15 @@ def main():
     gguf = smollm2_gguf_path()
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32)
     hf.eval()
-    model = load_model("smollm2-135m-instruct")
+    model = bench_model("smollm2-135m-instruct", args.smoke)
     cfg = model.config
     ours = (model, layer_weights(model))  # per-layer weights made once, as the trainer does per sampling call
     roof = matmul_gflops()
     lines = ["## Sampler (SmolLM2-135M, CPU)", "",
              f"`python bench/sampler.py --batches {' '.join(map(str, args.batches))} --repeats {args.repeats}` on "
              f"{time.strftime('%Y-%m-%d %H:%M')}, {machine()}, jax {jax.__version__}, torch {torch.__version__}; "
-             f"XLA fp32 matmul roof measured in the same run: {roof:.1f} GFLOP/s. {PROMPT}-token random prompts, "
-             f"{NEW} new tokens (no early stop), greedy; marljax and HF `generate` alternate run by run; medians. "
+             f"XLA fp32 matmul roof measured in the same run: {roof:.1f} GFLOP/s. {prompt_len}-token random prompts, "
+             f"{new} new tokens (no early stop), greedy; marljax and HF `generate` alternate run by run; medians. "
              "marljax samples from per-layer weights made once (`layer_weights`, as the trainer does once per "
              "sampling call); HF holds per-layer tensors anyway. Prefill = a 1-token generation; decode = the rest. "
              "% of roof = model FLOP/s (`bench/flops.py`: causal attention; the head on the last prompt position "
@@ -86,23 +87,23 @@ def main():
     rng = np.random.default_rng(0)
     ratios = {}
     for b in args.batches:
-        prompts = rng.integers(100, cfg.vocab_size - 100, (b, PROMPT)).tolist()
-        first = {name: (fn(m, prompts, 1), fn(m, prompts, NEW))  # warm-up: compiles, not in the medians
+        prompts = rng.integers(100, cfg.vocab_size - 100, (b, prompt_len)).tolist()
+        first = {name: (fn(m, prompts, 1), fn(m, prompts, new))  # warm-up: compiles, not in the medians
                  for name, fn, m in (("marljax", run_ours, ours), ("hf", run_hf, hf))}
         times = {"marljax": {"pre": [], "full": []}, "hf": {"pre": [], "full": []}}
         for _ in range(args.repeats):
             for name, fn, m in (("marljax", run_ours, ours), ("hf", run_hf, hf)):
                 times[name]["pre"].append(fn(m, prompts, 1))
-                times[name]["full"].append(fn(m, prompts, NEW))
+                times[name]["full"].append(fn(m, prompts, new))
         e2e = {}
         for name in ("marljax", "hf"):
             pre = statistics.median(times[name]["pre"])
             full = statistics.median(times[name]["full"])
             dec = max(full - pre, 1e-9)
-            pre_tps, dec_tps = b * PROMPT / pre, b * (NEW - 1) / dec
-            e2e[name] = b * NEW / full
-            dec_frac = decode_flops(cfg, PROMPT, NEW, b) / dec / 1e9 / roof
-            pre_frac = prefill_flops(cfg, [PROMPT] * b) / pre / 1e9 / roof
+            pre_tps, dec_tps = b * prompt_len / pre, b * (new - 1) / dec
+            e2e[name] = b * new / full
+            dec_frac = decode_flops(cfg, prompt_len, new, b) / dec / 1e9 / roof
+            pre_frac = prefill_flops(cfg, [prompt_len] * b) / pre / 1e9 / roof
             compile_s = (first[name][0] - pre) + (first[name][1] - full)
             lines.append(f"| {b} | {name} | {pre_tps:.0f} | {dec_tps:.1f} | {e2e[name]:.1f} | "
                          f"{100 * dec_frac:.0f}% | {100 * pre_frac:.0f}% | {compile_s:.1f} |")

@@ -4,7 +4,7 @@
 TPU/GPU mesh runs, not speed: the simulated devices share the same cores. Writes the
 "## Sharding (CPU, simulated devices)" section of docs/benchmarks.md.
 
-    python bench/sharding.py [--repeats 5] [--no-write]
+    python bench/sharding.py [--repeats 5] [--no-write] [--smoke]
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ os.environ["XLA_FLAGS"] = (re.sub(r"--xla_force_host_platform_device_count=\d+",
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
@@ -109,15 +110,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--baseline", action="store_true", help="(internal) the 1-device run; prints JSON")
+    ap.add_argument("--smoke", action="store_true", help="the model's 1 layer, one mesh (fsdp=2, tensor=4)")
     args = ap.parse_args()
+    if args.smoke:
+        global CFG  # what measure() builds
+        CFG = dataclasses.replace(CFG, num_layers=1)
     if args.baseline:
         print(json.dumps(measure(None, args.repeats)))
         return
     assert jax.device_count() == 8, f"expected 8 simulated devices, got {jax.device_count()}"
-    child = subprocess.run([sys.executable, __file__, "--baseline", "--repeats", str(args.repeats)],
+    child = subprocess.run([sys.executable, __file__, "--baseline", "--repeats", str(args.repeats),
+                            *["--smoke"] * args.smoke],
                            capture_output=True, text=True, check=True)
     results = {"1 device (1-device process)": json.loads(child.stdout.splitlines()[-1])}
-    results.update({name: measure(mc, args.repeats) for name, mc in MESHES.items()})
+    meshes = {"fsdp=2, tensor=4": MESHES["fsdp=2, tensor=4"]} if args.smoke else MESHES
+    results.update({name: measure(mc, args.repeats) for name, mc in meshes.items()})
     base = results["1 device (1-device process)"]
     tokens = 32 * 128 + 16 * 128
     rows = "\n".join(

@@ -17,7 +17,7 @@ Page faults and kernel CPU time per step (medians, from getrusage) show what XLA
 temp buffer costs when malloc returns it to the system after each call (`MARLJAX_HOST_MALLOC=system`):
 it is then mmapped afresh and faulted in page by page; bench/host_malloc.py measures that side by side.
 
-    python bench/train_step.py [--batch 8] [--length 256] [--repeats 3] [--write]
+    python bench/train_step.py [--batch 8] [--length 256] [--repeats 3] [--write] [--smoke]
 """
 from __future__ import annotations
 
@@ -26,11 +26,10 @@ import resource
 import statistics
 import time
 
-from benchdoc import machine, publish  # first (before jax); bench/ is on sys.path when a script here runs
+from benchdoc import bench_model, machine, publish  # first (before jax); bench/ is on sys.path when a script here runs
 import jax
 import numpy as np
 
-from marljax.models import load_model
 from roofline import matmul_gflops
 from marljax.models.lora import LoRAConfig, init_lora
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack
@@ -86,8 +85,10 @@ def main():
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--write", action="store_true", help="replace the section in docs/benchmarks.md")
+    ap.add_argument("--smoke", action="store_true", help="a tiny random model (benchdoc.smoke_config): seconds")
     args = ap.parse_args()
-    model = load_model("smollm2-135m-instruct")
+    model = bench_model("smollm2-135m-instruct", args.smoke)
+    settle = 0 if args.smoke else 1  # seconds
     cfg = model.config
     batch = random_batch(args.batch, args.length)
     contenders = {(mode, remat): Contender(model, batch, mode.startswith("LoRA"), remat)
@@ -97,15 +98,15 @@ def main():
     roofs = []
     for rep in range(args.repeats + 1):
         for key, c in contenders.items():
-            time.sleep(1)  # a step frees GB of buffers in the background: let that settle before timing
+            time.sleep(settle)  # a step frees GB of buffers in the background: let that settle before timing
             roof = matmul_gflops(reps=20)
-            time.sleep(1)
+            time.sleep(settle)
             seconds, minflt, stime = c.step()
             if rep:  # the first round compiles
                 times[key].append(seconds)
                 faults[key].append((minflt, stime))
                 roofs.append(roof)
-    time.sleep(1)
+    time.sleep(settle)
     roofs.append(matmul_gflops(reps=20))
     roof, peak = statistics.median(roofs), max(roofs)
     length, resp = batch["generator"].tokens_bt.shape[1], batch["generator"].resp_mask_br.shape[1]
