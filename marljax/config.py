@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 from etils import epath
 
-from marljax.engine.engine import CHUNK_STEPS, PREFILL_CHUNK_MIN
+from marljax.engine.engine import CHUNK_STEPS, NUM_SLOTS, PREFILL_CHUNK_MIN
 from marljax.engine.paged_attention import PAGED_ATTENTIONS
 from marljax.engine.scheduler import ADMISSIONS
 from marljax.models.attention import ATTENTIONS
@@ -156,7 +156,7 @@ class SamplingSection:
     top_p: float = SamplingParams.top_p  # 1: off
     top_k: int = SamplingParams.top_k  # 0: off
     max_cache_tokens: int = 0  # KV positions each batch rank's page pool of the rollout engine holds (0: grows)
-    num_slots: int = 64  # sequences the rollout engine decodes at once per batch rank
+    num_slots: int = NUM_SLOTS  # sequences the rollout engine decodes at once per batch rank
     prefill_tokens: int = 0  # positions one prefill call of the engine computes (chunked prefill); 0: a whole prompt
     # decode steps per jitted chunk of the engine: fewer, a finished call returns sooner (an episode's next role
     # call starts sooner); more, less fixed work per step (host scheduling, the CPU path's dense copy)
