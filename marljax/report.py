@@ -349,6 +349,14 @@ def _cell(iv: Interval) -> str:
     return iv.fmt() + (" ✱" if iv.resolved else "")
 
 
+def _finals_by_seed(runs: list[dict]) -> dict[Any, float]:
+    """seed → final accuracy, for pairing by seed; keyed by run name instead when the runs' seeds are not
+    distinct (none is dropped; `difference` then takes Welch's interval)."""
+    seeds = [s.get("seed") for s in runs]
+    distinct = None not in seeds and len(set(seeds)) == len(seeds)
+    return {s["seed"] if distinct else s["run"]: s["final"] for s in runs}
+
+
 def condition_table(summaries: list[dict], configs: list[dict]) -> str:
     """Markdown, the paper's form over seeds: per condition base, peak (step), final and Δ vs base as the mean
     with its t-based 95% interval over seeds (`marljax.seed_stats`; one seed: its paired s.e. for Δ), Δ vs a
@@ -373,14 +381,14 @@ def condition_table(summaries: list[dict], configs: list[dict]) -> str:
         elif curve:
             step = max(curve, key=curve.get)
             peak = f"{_fmt(curve[step])} ({step})†"
-        finals = {s.get("seed", i): s["final"] for i, s in enumerate(runs)}
+        finals = _finals_by_seed(runs)
         delta = t_interval([s["delta"] for s in runs])
         delta_cell = (_cell(delta) if len(runs) > 1 or "noise" not in runs[0]
                       else f"{delta.mean:.3f} ± {runs[0]['noise']:.3f} (1 seed, 1 s.e. over problems)")
         single = next((rs for lab, _, rs in conds if _is_single_for(rs[0], runs[0])), None)
         vs = "–"
         if single:
-            vs = _cell(difference(finals, {s.get("seed", i): s["final"] for i, s in enumerate(single)}))
+            vs = _cell(difference(finals, _finals_by_seed(single)))
         elif runs[0].get("workflow") != "single":
             others = [rs[0] for _, _, rs in conds if rs[0].get("workflow") == "single"
                       and rs[0].get("task") == runs[0].get("task")]

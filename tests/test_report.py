@@ -155,3 +155,11 @@ def test_validation_chooses_the_peak_step_and_an_unlike_single_is_left_blank(tmp
     text = write_report([run, single], tmp_path / "out").read_text()
     assert "| val | voting/arith/tiny-qwen3/shared | 1 | 0.300 (1 seed) | 0.500 (8) | 0.450 (1 seed) |" in text
     assert "- val: Δ vs single left blank: the single-agent runs differ in steps." in text
+
+
+def test_runs_without_a_seed_in_their_config_all_count(tmp_path):
+    """Two runs of one condition with the same seed (here the default, 0) are two values of the interval,
+    not one (keyed by seed, the second would replace the first)."""
+    runs = [_run(tmp_path, name, {0: 0.2, 10: final}) for name, final in (("x-a", 0.4), ("x-b", 0.6))]
+    text = write_report(runs, tmp_path / "out").read_text()
+    assert "| 2 | 0.200 [+0.200, +0.200] | 0.500 (10)† | 0.500 [" in text
