@@ -384,71 +384,91 @@ def rollout(
         raise ValueError(f"n_rollouts must be >= 1, got {n_rollouts}")
     stream = sampler if hasattr(sampler, "submit") else BatchedSampleFn(sampler, seed)
     calls_before = stream.calls
-    owners = [(i, r) for i in range(len(problems)) for r in range(n_rollouts)]
-    scripts = [workflow.episode(problems[i]) for i, _ in owners]
-    records: dict[tuple[int, int, int], CallRecord] = {}  # (stage, episode, call) -> record
-    outcomes: dict[int, Outcome] = {}
-    overflow: set[int] = set()
-    stages: dict[int, _Stage] = {}  # episode -> its stage in flight
-    tickets: dict[int, tuple[int, int]] = {}  # ticket -> (episode, call index in its stage)
+    driver = _EpisodeDriver(workflow, problems, stream, codec, route, n_rollouts, seed, max_prompt_tokens)
+    calls, episode_calls = driver.run()
+    return _grade(workflow, problems, driver.owners, calls, episode_calls, driver.outcomes, driver.overflow,
+                  stream.calls - calls_before, reward_fn, grade_calls)
 
-    def start(e: int, index: int, stage_calls: list[RoleCall]) -> None:
-        prompts = [codec.render([dict(m) for m in c.messages]) for c in stage_calls]
-        if max_prompt_tokens and any(len(p) > max_prompt_tokens for p in prompts):
-            scripts[e].close()
-            outcomes[e] = Outcome("", {})
-            overflow.add(e)
-            return
-        stages[e] = _Stage(index, stage_calls, prompts, [None] * len(stage_calls))
-        for k, (c, p) in enumerate(zip(stage_calls, prompts)):
-            tickets[stream.submit(route[c.role], p, call_seed(seed, e, index, k))] = (e, k)
 
-    def finish(e: int) -> None:
-        """Record episode e's completed stage and send its texts to the script."""
-        st = stages.pop(e)
-        i, r = owners[e]
-        p = problems[i]
-        texts = []
-        for k, (call, prompt, sample) in enumerate(zip(st.calls, st.prompts, st.results)):
-            text = codec.decode(list(sample.tokens))
-            records[(st.index, e, k)] = CallRecord(
-                episode=e, problem_index=i, problem_id=p.id, rollout=r, role=call.role, slot=call.slot,
-                turn=call.turn, stage=st.index, set_name=route[call.role], messages=call.messages,
-                prompt_ids=list(prompt), response_ids=list(sample.tokens), logprobs=list(sample.logprobs),
-                text=text, truncated=bool(sample.truncated),
-                parse_failed=workflow.parse_failed(call.role, text, p.kind))
-            texts.append(text)
-        try:
-            nxt = scripts[e].send(texts)
-        except StopIteration as stop:
-            outcomes[e] = _checked_outcome(stop.value, workflow)
-            return
-        start(e, st.index + 1, _checked_stage(nxt, workflow))
+class _EpisodeDriver:
+    """The episodes of one `rollout` in flight: each submits its next stage as soon as its current one is
+    back (`start`, `finish`), until every script has returned its outcome."""
 
-    for e, script in enumerate(scripts):
-        start(e, 0, _first_stage(script, workflow))
-    while tickets:
-        done = stream.poll()
-        if not done:
-            raise RuntimeError(f"the sampler returned nothing with {len(tickets)} requests outstanding.")
+    def __init__(self, workflow, problems, stream, codec, route, n_rollouts, seed, max_prompt_tokens):
+        self.workflow, self.problems, self.stream, self.codec, self.route = workflow, problems, stream, codec, route
+        self.seed, self.max_prompt_tokens = seed, max_prompt_tokens
+        self.owners = [(i, r) for i in range(len(problems)) for r in range(n_rollouts)]
+        self.scripts = [workflow.episode(problems[i]) for i, _ in self.owners]
+        self.records: dict[tuple[int, int, int], CallRecord] = {}  # (stage, episode, call) -> record
+        self.outcomes: dict[int, Outcome] = {}
+        self.overflow: set[int] = set()
+        self.stages: dict[int, _Stage] = {}  # episode -> its stage in flight
+        self.tickets: dict[int, tuple[int, int]] = {}  # ticket -> (episode, call index in its stage)
+
+    def run(self) -> tuple[list[CallRecord], list[list[int]]]:
+        """Drive every episode to its end. Returns the calls in (stage, episode, call) order and each
+        episode's indices into them."""
+        for e, script in enumerate(self.scripts):
+            self.start(e, 0, _first_stage(script, self.workflow))
+        while self.tickets:
+            done = self.stream.poll()
+            if not done:
+                raise RuntimeError(f"the sampler returned nothing with {len(self.tickets)} requests outstanding.")
+            for e in sorted(self.receive(done)):
+                self.finish(e)
+        calls: list[CallRecord] = []
+        episode_calls: list[list[int]] = [[] for _ in self.owners]
+        for key in sorted(self.records):
+            episode_calls[key[1]].append(len(calls))
+            calls.append(self.records[key])
+        return calls, episode_calls
+
+    def receive(self, done: list[tuple[int, Completion]]) -> set[int]:
+        """File completions under their calls; returns the episodes whose stage is now complete."""
         complete = set()
         for ticket, sample in done:
-            e, k = tickets.pop(ticket)
+            e, k = self.tickets.pop(ticket)
             if len(sample.tokens) != len(sample.logprobs):
                 raise ValueError(f"the sampler returned {len(sample.tokens)} tokens but {len(sample.logprobs)} "
-                                 f"logprobs for one sample (set {route[stages[e].calls[k].role]!r}).")
-            stages[e].results[k] = sample
-            if all(x is not None for x in stages[e].results):
+                                 f"logprobs for one sample (set {self.route[self.stages[e].calls[k].role]!r}).")
+            self.stages[e].results[k] = sample
+            if all(x is not None for x in self.stages[e].results):
                 complete.add(e)
-        for e in sorted(complete):
-            finish(e)
-    calls: list[CallRecord] = []
-    episode_calls: list[list[int]] = [[] for _ in owners]
-    for key in sorted(records):
-        episode_calls[key[1]].append(len(calls))
-        calls.append(records[key])
-    return _grade(workflow, problems, owners, calls, episode_calls, outcomes, overflow,
-                  stream.calls - calls_before, reward_fn, grade_calls)
+        return complete
+
+    def start(self, e: int, index: int, stage_calls: list[RoleCall]) -> None:
+        """Submit stage `index` of episode e, or end the episode when a prompt is over the cap."""
+        prompts = [self.codec.render([dict(m) for m in c.messages]) for c in stage_calls]
+        if self.max_prompt_tokens and any(len(p) > self.max_prompt_tokens for p in prompts):
+            self.scripts[e].close()
+            self.outcomes[e] = Outcome("", {})
+            self.overflow.add(e)
+            return
+        self.stages[e] = _Stage(index, stage_calls, prompts, [None] * len(stage_calls))
+        for k, (c, p) in enumerate(zip(stage_calls, prompts)):
+            self.tickets[self.stream.submit(self.route[c.role], p, call_seed(self.seed, e, index, k))] = (e, k)
+
+    def finish(self, e: int) -> None:
+        """Record episode e's completed stage and send its texts to the script."""
+        st = self.stages.pop(e)
+        i, r = self.owners[e]
+        p = self.problems[i]
+        texts = []
+        for k, (call, prompt, sample) in enumerate(zip(st.calls, st.prompts, st.results)):
+            text = self.codec.decode(list(sample.tokens))
+            self.records[(st.index, e, k)] = CallRecord(
+                episode=e, problem_index=i, problem_id=p.id, rollout=r, role=call.role, slot=call.slot,
+                turn=call.turn, stage=st.index, set_name=self.route[call.role], messages=call.messages,
+                prompt_ids=list(prompt), response_ids=list(sample.tokens), logprobs=list(sample.logprobs),
+                text=text, truncated=bool(sample.truncated),
+                parse_failed=self.workflow.parse_failed(call.role, text, p.kind))
+            texts.append(text)
+        try:
+            nxt = self.scripts[e].send(texts)
+        except StopIteration as stop:
+            self.outcomes[e] = _checked_outcome(stop.value, self.workflow)
+            return
+        self.start(e, st.index + 1, _checked_stage(nxt, self.workflow))
 
 
 def _first_stage(script: EpisodeScript, workflow: Workflow) -> list[RoleCall]:
