@@ -64,10 +64,11 @@ from marljax.policy_sampler import PAGE_SIZE
 from marljax.rl.policy_map import from_config
 from marljax.shapes import bucket, bucket_rows, length_bucket
 from marljax.sharding import MeshConfig
+from marljax.workflows import WORKFLOWS as REGISTERED
 from marljax.workflows import get_workflow, paper_limits, workflow_class
 from marljax.workflows.limits import Limits
 
-WORKFLOWS = ("eval_opt", "voting", "orch_workers")
+WORKFLOWS = tuple(sorted(name for name, cls in REGISTERED.items() if cls.paper_matrix))  # the paper's three
 TASKS = {"math": "dapo_math", "code": "deepcoder"}
 MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b")
 POLICIES = ("shared", "isolated")

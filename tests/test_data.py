@@ -293,3 +293,20 @@ def test_unknown_task_and_split():
         load_task("gsm9k")
     with pytest.raises(ValueError, match="split='valid'"):
         load_task("arith", split="valid")
+
+
+def test_problem_kinds_are_one_registry():
+    """`Problem.reward` and the workflows' parse check read a kind only through `tasks.kinds`: an unknown
+    kind fails in both with the known kinds named, and a kind cannot be registered twice."""
+    from marljax.tasks.kinds import KINDS, ProblemKind, register_kind
+    from marljax.workflows.base import answer_missing
+
+    assert set(KINDS) == {"math", "code"}
+    with pytest.raises(ValueError, match=r"Unknown problem kind 'poem'; expected one of \['code', 'math'\]"):
+        Problem(id="p", question="q", kind="poem").reward("x")
+    with pytest.raises(ValueError, match="Unknown problem kind 'poem'"):
+        answer_missing("x", "poem")
+    with pytest.raises(ValueError, match="already registered"):
+        register_kind(ProblemKind("math", KINDS["math"].grade, KINDS["math"].answer_missing))
+    assert answer_missing("no box", "math") and not answer_missing(r"\boxed{3}", "math")
+    assert Problem(id="p", question="1+2", kind="math", answer="3").reward(r"\boxed{3}") == 1.0

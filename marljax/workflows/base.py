@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from marljax.tasks.kinds import problem_kind
 from marljax.tasks.problem import Problem
 from marljax.workflows.prompts import PromptSet, prompt_set
 
@@ -211,7 +212,8 @@ class Workflow:
 
     Subclasses set `name`, `roles`, `graded_roles` (roles whose own output is a complete answer, re-graded
     for per-role accuracy), `slot_grouped_roles` (parallel same-role slots that stay separate GRPO
-    groups under the paper preset) and `max_prompt_tokens` (the paper's prompt cap by problem kind);
+    groups under the paper preset), `max_prompt_tokens` (the paper's prompt cap by problem kind) and
+    `paper_matrix` (one of the paper's workflows, a row of the experiment matrix);
     implement `episode` and `sampler_stages`, and `same_role_counts` when a role runs in parallel; and
     register with `workflows.registry.register`. Its options are its dataclass fields (config keys
     `workflow.<field>`). `worked_example`: the solve and worker prompts show one worked example of the
@@ -227,6 +229,7 @@ class Workflow:
     graded_roles: ClassVar[frozenset[str]] = frozenset()
     slot_grouped_roles: ClassVar[frozenset[str]] = frozenset()
     max_prompt_tokens: ClassVar[Mapping[str, int]]
+    paper_matrix: ClassVar[bool] = False  # one of the paper's workflows: a row of `marljax.matrix`
 
     def same_role_counts(self) -> dict[str, int]:
         """N parallel same-role agents per role that has them (voters, workers), for `rl.same_role_scale`."""
@@ -256,15 +259,9 @@ class Workflow:
 
 
 def answer_missing(text: str, kind: str) -> bool:
-    """True when an answer text gives the grader nothing: no non-empty final answer (math: the grader's
-    `extract_answer`, i.e. `\\boxed{}`), no program (code)."""
-    if kind == "math":
-        from marljax.tasks.math import extract_answer
-        return not extract_answer(text)
-    if kind == "code":
-        from marljax.tasks.code import extract_code
-        return extract_code(text) is None
-    raise ValueError(f"Unknown problem kind {kind!r}; expected 'math' or 'code'.")
+    """True when an answer text gives the grader nothing (the problem kind's `answer_missing`: math no
+    non-empty `\\boxed{}`, code no program)."""
+    return problem_kind(kind).answer_missing(text)
 
 
 def last_boxed(text: str, content: str) -> str | None:

@@ -34,6 +34,7 @@ class EvalOpt(Workflow):
     max_iterations: int | None = None
 
     name = "eval_opt"
+    paper_matrix = True
     roles = (GENERATOR, EVALUATOR)
     graded_roles = frozenset({GENERATOR})
     max_prompt_tokens = {"math": 30720, "code": 10240}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-KINDS = ("math", "code")
 MAX_RESPONSE_TOKENS = {"math": 5120, "code": 2048}
 MAX_ITERATIONS = {"math": 3, "code": 2}
 

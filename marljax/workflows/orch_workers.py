@@ -56,6 +56,7 @@ class OrchWorkers(Workflow):
     max_subtasks: int = 3
 
     name = "orch_workers"
+    paper_matrix = True
     roles = (ORCHESTRATOR, WORKER, SYNTHESIZER)
     graded_roles = frozenset({WORKER})
     max_prompt_tokens = {"math": 20480, "code": 10240}

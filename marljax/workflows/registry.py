@@ -5,7 +5,7 @@ their types and defaults), `same_role_counts`, `sampler_stages` and the paper's 
 from __future__ import annotations
 
 from marljax.workflows.base import Workflow
-from marljax.workflows.limits import KINDS, MAX_ITERATIONS, MAX_RESPONSE_TOKENS, Limits
+from marljax.workflows.limits import MAX_ITERATIONS, MAX_RESPONSE_TOKENS, Limits
 
 WORKFLOWS: dict[str, type[Workflow]] = {}
 
@@ -36,8 +36,8 @@ def get_workflow(name: str, **kwargs) -> Workflow:
 
 def paper_limits(kind: str, workflow: str) -> Limits:
     """The paper's limits for a problem kind ("math" | "code") and a registered workflow's name."""
-    if kind not in KINDS:
-        raise ValueError(f"No paper limits for problem kind {kind!r}; known: {KINDS}.")
+    if kind not in MAX_RESPONSE_TOKENS:
+        raise ValueError(f"No paper limits for problem kind {kind!r}; known: {sorted(MAX_RESPONSE_TOKENS)}.")
     if workflow not in WORKFLOWS:
         raise ValueError(f"No paper limits for workflow {workflow!r}; known: {sorted(WORKFLOWS)}.")
     return Limits(MAX_RESPONSE_TOKENS[kind], WORKFLOWS[workflow].max_prompt_tokens[kind], MAX_ITERATIONS[kind])

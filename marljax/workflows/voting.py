@@ -44,6 +44,7 @@ class Voting(Workflow):
     n_votes: int = 3
 
     name = "voting"
+    paper_matrix = True
     roles = (GENERATOR, AGGREGATOR)
     graded_roles = frozenset({GENERATOR})
     slot_grouped_roles = frozenset({GENERATOR})
