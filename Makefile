@@ -17,15 +17,16 @@ setup: $(VENV_STAMP)
 run: $(VENV_STAMP)
 	$(PY) -m marljax.train --config configs/default.yaml $(ARGS)
 
-# Two workers, one test file each at a time (module fixtures stay per worker): the suite is compile-bound and
-# XLA compiles on one core: on this project's 2-core box the default suite took 850 s on 2 workers against
+# Two workers, one test file each at a time (module fixtures stay per worker; tests/conftest.py makes each file
+# an xdist group, and the bench smoke runs one group each, so they spread over both workers): the suite is
+# compile-bound and XLA compiles on one core: on this project's 2-core box the default suite took 850 s on 2 workers against
 # 1365 s serially (cold compile cache, 2026-12-05). `make test TEST_WORKERS=0` runs it in one process.
 TEST_WORKERS ?= 2
 test: $(VENV_STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
 test-all: $(VENV_STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "" $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "" $(ARGS)
 
 bench: $(VENV_STAMP)
 	$(PY) bench/sampler.py

@@ -46,3 +46,13 @@ def _release_compiled_programs():
     import jax
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under `make test` (`--dist loadgroup`) each test file is one xdist group, so its module fixtures are
+    built once, on one worker; tests that set their own `xdist_group` (the bench smoke runs, one process
+    each and no fixture) are spread over the workers instead of queueing behind each other."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))

@@ -156,3 +156,21 @@ def test_rollback_config_errors(tmp_path):  # refused when the config loads
     with pytest.raises(ConfigError, match="must be > 0"):
         load_config(None, [*TINY, "workflow=single", f"run_dir={tmp_path}", "diagnostics.rollback_on_cliff=true",
                            "diagnostics.rollback_lr_scale=0"])
+
+
+def test_a_rollback_that_never_fires_changes_nothing(tmp_path, monkeypatch):
+    """With no drop of δ below the peak the rollback run is the plain run, record for record and bit for bit
+    (what lets docs/findings read a rollback variant off its base run's validation curve)."""
+    acc = {0: 0.2, 2: 0.6, 4: 0.58}  # a dip of 0.02 < δ = 0.05: no cliff
+    monkeypatch.setattr(Run, "evaluate", lambda self, seed, problems=None: types.SimpleNamespace(
+        metrics={"pass@1": acc[seed - self.cfg.seed]}, transcripts=[]))
+    plain, rolled = tmp_path / "plain", tmp_path / "rolled"
+    base = [a for a in ARGS if not a.startswith("diagnostics.rollback_on_cliff")] + ["steps=4"]
+    train_main([*base, f"run_dir={plain}"])
+    train_main([*base, f"run_dir={rolled}", "diagnostics.rollback_on_cliff=true", "diagnostics.rollback_lr_scale=0.25"])
+
+    def comparable(r):
+        return {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
+    assert [comparable(r) for r in _records(rolled)] == [comparable(r) for r in _records(plain)]
+    assert not any(r.get("diag/cliff") for r in _records(rolled))
+    assert _equal(_state(rolled, 4)[1], _state(plain, 4)[1])
