@@ -6,12 +6,12 @@ each contender reads) at `--rows` × `--columns`, each row attending its first L
 uniformly from [columns/4, columns], as rows of varied lengths in one batch), the contenders alternated;
 median of `--samples`, compile excluded. Each rewrite is checked against the current form first (max abs
 difference printed).
-  current    `marljax.models.attention.attention` over the dense cache's layout (`CACHE_LAYOUT`, "keys_ds":
-             keys [B, K, Dh, S], values [B, K, S, Dh]): scores, mask, softmax, value product
+  current    `marljax.models.attention.attention` over its layout ("keys_ds": keys [B, K, Dh, S], values
+             [B, K, S, Dh]): scores, mask, softmax, value product
   cpu_kernel `marljax.engine.cpu_attention.segmented_decode_attention` over the same arrays (one segment,
              each row's length): the engine's CPU kernel, which reads each row's first L columns only
-  keys_sd    the same over the cache's layout before 2026-12-06 (keys [B, K, S, Dh], values [B, K, Dh, S]);
-             the rewrites below read this layout too
+  keys_sd    the same over the dense cache's layout before 2026-12-06 (keys [B, K, S, Dh], values
+             [B, K, Dh, S]; written out here since it left the package); the rewrites below read it too
   late_norm  unnormalised exponentials into the value product, divided after (`bkgd,bksd->bkgs` scores)
   keys_rows  keys as the rows of the scores product (`bksd,bkgd->bksg`), softmax over that axis
   mul_sum    scores as a multiply and a sum over the head dimension
@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from marljax.engine.cpu_attention import segmented_decode_attention
-from marljax.models.attention import CACHE_LAYOUT, attention
+from marljax.models.attention import attention
+from marljax.models.precision import dot_f32
 
 H, K, DH = 9, 3, 64
 G = H // K
@@ -39,7 +40,7 @@ FLOOR = float(jnp.finfo(jnp.float32).min)
 
 
 def current(q_bthd, k, v, mask_bs):
-    return attention(q_bthd, k, v, mask_bs[:, None], CACHE_LAYOUT)
+    return attention(q_bthd, k, v, mask_bs[:, None])
 
 
 def cpu_kernel(q_bthd, k, v, mask_bs):
@@ -47,7 +48,12 @@ def cpu_kernel(q_bthd, k, v, mask_bs):
 
 
 def keys_sd(q_bthd, k_bksd, v_bkds, mask_bs):
-    return attention(q_bthd, k_bksd, v_bkds, mask_bs[:, None], "keys_sd")
+    """`current`'s float32 scores, floor, softmax and value product over keys [B, K, S, Dh]."""
+    B, S = mask_bs.shape
+    s = dot_f32("bkgd,bksd->bkgs", q_bthd.reshape(B, K, G, DH), k_bksd) * DH ** -0.5
+    p = jax.nn.softmax(jnp.where(mask_bs[:, None, None], s, FLOOR), axis=-1)
+    o = dot_f32("bkgs,bkds->bkgd", p.astype(v_bkds.dtype), v_bkds).astype(v_bkds.dtype)
+    return o.reshape(B, 1, H, DH)
 
 
 def late_norm(q_bthd, k_bksd, v_bkds, mask_bs):
@@ -75,7 +81,7 @@ def mul_sum(q_bthd, k_bksd, v_bkds, mask_bs):
 
 CONTENDERS = {"current": current, "cpu_kernel": cpu_kernel, "keys_sd": keys_sd, "late_norm": late_norm,
               "keys_rows": keys_rows, "mul_sum": mul_sum}
-# keys and values [B, S, K, Dh] -> each contender's layout (`attention.ATTENTION_LAYOUTS`)
+# keys and values [B, S, K, Dh] -> each contender's layout
 LAYOUTS = {"keys_ds": ((0, 2, 3, 1), (0, 2, 1, 3)), "keys_sd": ((0, 2, 1, 3), (0, 2, 3, 1))}
 
 
@@ -108,8 +114,8 @@ def main():
     runs = {name: layers_of(CONTENDERS[name], a.layers) for name in dict.fromkeys(["current", *a.contenders])}
     arrays = {lay: ([jnp.asarray(k.transpose(kt), a.dtype) for k, _ in kv],
                     [jnp.asarray(v.transpose(vt), a.dtype) for _, v in kv]) for lay, (kt, vt) in LAYOUTS.items()}
-    layout = {name: CACHE_LAYOUT if name in ("current", "cpu_kernel") else "keys_sd" for name in runs}
-    ref = np.asarray(runs["current"](q, *arrays[CACHE_LAYOUT], mask), np.float32)
+    layout = {name: "keys_ds" if name in ("current", "cpu_kernel") else "keys_sd" for name in runs}
+    ref = np.asarray(runs["current"](q, *arrays["keys_ds"], mask), np.float32)
     for name, run in runs.items():
         diff = np.abs(np.asarray(run(q, *arrays[layout[name]], mask), np.float32) - ref).max()
         print(f"{name}: max |difference| from current {diff:.2e}")

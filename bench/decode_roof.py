@@ -5,7 +5,7 @@ For each `--rows` B it times, jitted and warm (median of `--samples`, compile ex
            projection), the model's real weights, chained as in the model: the floor of any sampler that
            computes a step in float32 with XLA, whatever its batching, cache or attention
   step     the model's whole step (`Decoder.hidden` over a dense cache of `--length` columns + `logits`):
-           what the static sampler runs per step, minus the draw
+           what the static sampler (bench/static_sampler.py) runs per step, minus the draw
 Tokens/s bounds are B over the step time: every row yields a token per step. A sampler decoding B rows at
 a time cannot beat B / matmuls-time; continuous batching and paged KV only remove work beyond it
 (finished rows decoded on, padded columns attended, prompts prefilled more than once).
@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marljax.models.decoder import init_cache
 from marljax.sampling import layer_weights
+from static_sampler import dense_cache_attention, init_cache
 
 
 def linear_flops(cfg) -> int:
@@ -71,7 +71,8 @@ def main():
 
     @jax.jit
     def step(layers, cache, token_b, pos_b):
-        h, cache = model.hidden(token_b[:, None], pos_b[:, None], cache=cache, layers=layers)
+        h, cache = model.hidden(token_b[:, None], pos_b[:, None], cache=cache, cache_attention=dense_cache_attention,
+                                layers=layers)
         return model.logits(h[:, 0]), cache
 
     flops = linear_flops(cfg)

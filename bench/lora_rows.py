@@ -13,9 +13,9 @@ set. Contenders, alternated within each repeat (the machine drifts):
   gather   each row's A and B gathered (`a[set_b]`: [B, in, r]), then batched matmuls per row
   masked   every set's x A for every token ([G, N, r]), masked to the token's own set, then one matmul
            contracting sets and rank together against the stacked B ([G·r, out])
-Then one whole cached decode step (`Decoder.hidden`, 64 rows, KV cache of `--cache` positions, logits
-excluded) of the mixed batch three ways: `grouped` (one call, shared base, `lora_groups`), `per-set` (today:
-one call per set on its rows, each from its own merged copy of the weights, `sampling.layer_weights`) and
+Then one whole cached decode step (`Decoder.hidden`, 64 rows, bench/static_sampler.py's dense KV cache of
+`--cache` positions, logits excluded) of the mixed batch three ways: `grouped` (one call, shared base,
+`lora_groups`), `per-set` (today: one call per set on its rows, each from its own merged copy of the weights, `sampling.layer_weights`) and
 `merged` (one call of all rows on one set's merged weights: the floor, not a mixed batch).
 Each contender's last-layer outputs are checked against a float64 per-set reference before timing (a
 contender off by more than 1e-4 stops the run).
@@ -34,12 +34,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marljax.models.decoder import LINEAR_AXES, init_cache, linear
+from marljax.models.decoder import LINEAR_AXES, linear
 from marljax.models.loading import random_model
 from marljax.models.lora import LoRAConfig, init_lora, stack_adapters
 from marljax.models.precision import dot_f32
 from marljax.models.presets import PRESETS
 from marljax.sampling import layer_weights
+from static_sampler import dense_cache_attention, init_cache
 
 CONFIG = PRESETS["smollm2-135m-instruct"]
 SHAPES = {"decode": (64, 1), "prefill": (8, 128)}  # rows, tokens per row
@@ -131,7 +132,8 @@ def decode_steps(G: int, rank: int, cache_len: int, repeats: int) -> dict[str, f
     starts = np.cumsum([0] + groups)
     tok_b1 = jnp.asarray(np.random.default_rng(1).integers(0, CONFIG.vocab_size, (rows, 1)), jnp.int32)
     pos_b1 = jnp.full((rows, 1), cache_len // 2, jnp.int32)
-    step = jax.jit(lambda m, t, p, c, layers, **kw: m.hidden(t, p, cache=c, layers=layers, **kw)[0],
+    step = jax.jit(lambda m, t, p, c, layers, **kw: m.hidden(t, p, cache=c, cache_attention=dense_cache_attention,
+                                                             layers=layers, **kw)[0],
                    static_argnames="lora_scale")
     base_layers, stacked, groups_g = model.layer_list(), stack_adapters(ads), jnp.asarray(groups, jnp.int32)
     caches = {n: init_cache(CONFIG, n, cache_len) for n in set(groups) | {rows}}

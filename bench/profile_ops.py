@@ -51,7 +51,7 @@ def main():
     if args.what in ("sampler", "engine"):
         from marljax.engine import Engine
         from marljax.sampling import SamplingParams, layer_weights
-        from marljax.static_sampler import generate_static
+        from static_sampler import generate_static  # bench/static_sampler.py
         rows = args.batch or (16 if args.what == "sampler" else 64)
         prompts = rng.integers(100, 40000, (rows, args.prompt)).tolist()
         layers, sp = layer_weights(model), SamplingParams(max_new_tokens=args.new, temperature=0.0)

@@ -1,4 +1,4 @@
-"""Rollout throughput, the RL workload: the engine vs today's static sampler vs HF `generate`.
+"""Rollout throughput, the RL workload: the engine vs the static sampler before it vs HF `generate`.
 
 SmolLM2-135M-Instruct, GSM8K test questions in the math `solve` prompt (chat template), each sampled
 `--samples` times (a GRPO group: identical prompts side by side), T = 0.7, top-p 1, max 256 new tokens,
@@ -15,12 +15,12 @@ stop on the chat's end tokens. Contenders, alternated within each repeat (the ma
           pages, not its worst case; the pool grows to the tokens in flight)
   engine-chunk16  the same engine with decode chunks of 16 steps (default 32, `engine.CHUNK_STEPS`): twice
           the chunks' fixed work (the dense copy of the rows' pages, the host scheduler), fewer idle row-steps
-  static  `marljax.static_sampler.generate_static` (the sampler before the engine), one call over the whole batch: prefill + `lax.while_loop` over a
-          padded [B, P + max_new] cache until every row is done
-  static-issue-start  the static sampler as it was when the engine's issue (#17) opened: the same with its
-          draw of then, `jax.random.categorical` over the whole vocabulary (`draw.full_categorical`), over
-          its KV cache layout of then ("keys_sd"); its later blocked draw and "keys_ds" cache, which the
-          engine shares, are the only changes since in float32
+  static  `generate_static` (bench/static_sampler.py: the sampler before the engine, frozen here), one call
+          over the whole batch: prefill + `lax.while_loop` over a padded [B, P + max_new] cache until every
+          row is done. (Its form when the engine's issue #17 opened, with a full-vocabulary
+          `jax.random.categorical` draw and keys [B, K, S, D] in its cache, was the contender
+          static-issue-start until both left the package, issue #47; its figures stay in
+          docs/benchmarks.md.)
   generate-default  `marljax.sampling.generate(model, prompts, params)`, the call a newcomer writes (its
           per-layer weights made once per model, its slots from the request)
   generate-tuned  the same with `layers=layer_weights(model)` and `num_slots=--slots` (the tuned call)
@@ -59,9 +59,9 @@ from marljax.engine import Engine
 from marljax.models import ChatCodec, load_tokenizer
 from marljax.models.sources import smollm2_gguf_path
 from marljax.sampling import SamplingParams, generate, layer_weights
-from marljax.static_sampler import generate_static
 from marljax.shapes import bucket, bucket_rows
 from marljax.workflows.prompts import prompt_set
+from static_sampler import generate_static
 
 GSM8K = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "gsm8k" / "test.jsonl"
 TEMPERATURE = 0.7
@@ -88,9 +88,9 @@ def run_engine(ctx, prompts, seed, name="engine"):
     return wall, sum(map(len, out.tokens))
 
 
-def run_static(ctx, prompts, seed, **how):
+def run_static(ctx, prompts, seed):
     t = time.perf_counter()
-    out = generate_static(ctx["model"], prompts, params(ctx, seed), layers=ctx["layers"], **how)
+    out = generate_static(ctx["model"], prompts, params(ctx, seed), layers=ctx["layers"])
     return time.perf_counter() - t, sum(map(len, out.tokens))
 
 
@@ -135,7 +135,6 @@ ENGINES = {"engine": {}, "engine-xla-chunk": {"attention": "chunk"}, "engine-gat
            "engine-chunk16": {"chunk_steps": 16}}  # Engine settings besides --slots
 CONTENDERS = {**{name: functools.partial(run_engine, name=name) for name in ENGINES},
               "static": run_static,
-              "static-issue-start": functools.partial(run_static, draw="categorical", cache_layout="keys_sd"),
               **{f"generate-{how}": functools.partial(run_generate, how=how)
                  for how in ("default", "tuned", "before")},
               "hf": run_hf}
@@ -206,10 +205,8 @@ def main():
              f"{args.repeats} repeats (one seed each, shared by the contenders). Excluded: compile time (every "
              "contender first runs the workload once, untimed: first-run seconds in the last column). Engine: "
              f"{args.slots} slots, pages of {ctx['engine'].page_size} positions, chunks of "
-             f"{ctx['engine'].chunk_steps} steps; static = `marljax.static_sampler.generate_static` (one call, the trainer's "
-             "`layer_weights`); static-issue-start = the same with its full-vocabulary `jax.random.categorical` draw "
-             "and \"keys_sd\" KV cache of the issue's start; hf = transformers `generate`, torch CPU float32, "
-             "left-padded batch.", "",
+             f"{ctx['engine'].chunk_steps} steps; static = `generate_static` (bench/static_sampler.py: one call, the "
+             "trainer's `layer_weights`); hf = transformers `generate`, torch CPU float32, left-padded batch.", "",
              "| contender | useful tok/s | wall s per call | first run s (compile included) |", "|---|---|---|---|"]
     for name in contenders:
         lines.append(f"| {name} | {rate(rates[name])} | "
@@ -217,7 +214,7 @@ def main():
     if "engine" in contenders:
         ratio = {o: statistics.mean(rates["engine"]) / statistics.mean(rates[o]) for o in contenders if o != "engine"}
         lines += ["", "; ".join(f"engine / {o}: **{r:.2f}×**" for o, r in ratio.items())
-                  + " (the issue's targets: ≥ 2× the static sampler of the issue's start and ≥ 3× hf"
+                  + " (issue #17's targets: ≥ 2× the static sampler of its start and ≥ 3× hf"
                   + ("; engine-gather: a gather per decode step)." if "engine-gather" in ratio else ").")]
     lines += ["", f"Prefill: the engine prefilled {stats.prefill_tokens} prompt tokens (each distinct prompt once); "
               f"the static sampler and HF prefill every row: {sum(map(len, prompts))} real tokens "

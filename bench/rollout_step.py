@@ -4,7 +4,7 @@
 the last 4 layers, 4 problems × 4 rollouts, T = 0.7, max 32 new tokens), the parameters of a fresh run
 with the LoRA B matrices perturbed (so the adapter is not a no-op). Contenders, alternated within each
 repeat (the machine drifts):
-  before  `rollout` in lockstep over the static sampler (`marljax.static_sampler.generate_static`): one
+  before  `rollout` in lockstep over the static sampler (bench/static_sampler.py, `generate_static`): one
           call per stage and parameter set, each decoding until its longest row ends
   after   `rollout` over the engine (`Run.rollout_sampler`: `PolicyStream`), each episode submitting its
           aggregator call as soon as its 3 voters are back
@@ -30,9 +30,9 @@ import numpy as np
 
 from marljax.config import load_config
 from marljax.sampling import layer_weights
-from marljax.static_sampler import generate_static
 from marljax.train import Run
 from marljax.workflows import Completion, EvalOpt, rollout
+from static_sampler import generate_static
 
 
 def static_sample_fn(run: Run, params: dict, temperature: float):

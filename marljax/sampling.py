@@ -3,8 +3,8 @@
 `generate(model, prompts, SamplingParams(...))` samples a continuation of every prompt with
 `marljax.engine.Engine`: continuous batching over a paged KV cache, identical prompts prefilled once.
 Request i draws its tokens from its own stream, fold_in(key(seed), i), so its output depends on its prompt,
-the seed and i only (batch-invariant, reproducible). Greedy outputs equal the static sampler's
-(`marljax.static_sampler`). Logprobs: `marljax.engine.draw`.
+the seed and i only (batch-invariant, reproducible); greedy outputs are the argmax of the uncached forward
+pass at every step (tests/test_engine.py). Logprobs: `marljax.engine.draw`.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Attention kernels (`marljax.models.attention`) against a float64 numpy attention and each other, value
-and gradient: the dense kernel in both kv layouts, the blockwise, cuDNN/XLA and splash (interpret) entries; `auto`'s choice, the
+and gradient: the dense kernel, the blockwise, cuDNN/XLA and splash (interpret) entries; `auto`'s choice, the
 config key, the decoder's uncached pass, and the blockwise backward's memory (linear in T)."""
 import dataclasses
 
@@ -10,9 +10,8 @@ import pytest
 from flax import nnx
 
 from marljax.config import DEMO_CONFIG, load_config
-from marljax.models.attention import (ATTENTION_LAYOUTS, DENSE_MAX_LENGTH, _needed, attention,
-                                      blockwise_attention, causal_attention, resolve_attention,
-                                      segmented_attention)
+from marljax.models.attention import (DENSE_MAX_LENGTH, _needed, attention, blockwise_attention, causal_attention,
+                                      resolve_attention, segmented_attention)
 from marljax.models.decoder import Decoder
 from marljax.models.presets import PRESETS
 from marljax.rl.step import StepConfig
@@ -38,23 +37,20 @@ def reference(q, k, v, mask, w):
     return out, (dq, dk, dv)
 
 
-# keys/values [B, S, K, Dh] -> the layout's [B, K, S, Dh] or [B, K, Dh, S]
-TO_LAYOUT = {"bksd": (0, 2, 1, 3), "bkds": (0, 2, 3, 1)}
+# keys/values [B, S, K, Dh] -> the dense kernel's keys [B, K, Dh, S] and values [B, K, S, Dh]
+KEYS, VALUES = (0, 2, 3, 1), (0, 2, 1, 3)
 
 
-@pytest.mark.parametrize("layout", sorted(ATTENTION_LAYOUTS))
-def test_attention_layouts_match_float64(layout):
+def test_attention_matches_float64():
     rng = np.random.default_rng(0)
     q, w = rng.normal(size=(2, B, T, H, DH))
     k, v = rng.normal(size=(2, B, T, K, DH))
     mask = np.tril(np.ones((T, T), bool))[None].repeat(B, 0)
     mask[1, :, 5:] = False  # padded keys in row 1
     out_ref, grads_ref = reference(q, k, v, mask, w)
-    k_spec, v_spec = (spec.split(",")[1].split("-")[0] for spec in ATTENTION_LAYOUTS[layout])
 
     def loss(q, k, v):
-        k_l, v_l = k.transpose(TO_LAYOUT[k_spec]), v.transpose(TO_LAYOUT[v_spec])
-        out = attention(q, k_l, v_l, jnp.asarray(mask), layout)
+        out = attention(q, k.transpose(KEYS), v.transpose(VALUES), jnp.asarray(mask))
         return jnp.sum(out * w), out
 
     f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
@@ -64,12 +60,11 @@ def test_attention_layouts_match_float64(layout):
     # wrong layout or transpose (errors of order 1) still fails.
     np.testing.assert_allclose(out, out_ref, rtol=0, atol=1e-5)
     for name, g, g_ref in zip("qkv", grads, grads_ref):
-        np.testing.assert_allclose(g, g_ref, rtol=0, atol=1e-5, err_msg=f"d{name} ({layout})")
+        np.testing.assert_allclose(g, g_ref, rtol=0, atol=1e-5, err_msg=f"d{name}")
 
 
-@pytest.mark.parametrize("layout", sorted(ATTENTION_LAYOUTS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_segmented_attention_equals_attention_over_the_concatenated_keys(layout, dtype):
+def test_segmented_attention_equals_attention_over_the_concatenated_keys(dtype):
     """Keys and values split at column 4 into two segments with their own masks (the rollout engine's
     dense cache and chunk buffer): the float64 attention over the whole, and in bfloat16 the one-segment
     `attention` over the concatenation (one softmax: the segments must not be normalised apart)."""
@@ -78,17 +73,14 @@ def test_segmented_attention_equals_attention_over_the_concatenated_keys(layout,
     k, v = rng.normal(size=(2, B, T, K, DH))
     mask = np.tril(np.ones((T, T), bool))[None].repeat(B, 0)
     mask[1, :, 2:4] = False  # a hole in row 1's first segment
-    k_spec, v_spec = (spec.split(",")[1].split("-")[0] for spec in ATTENTION_LAYOUTS[layout])
     dt = jnp.dtype(dtype)
-    k_l = jnp.asarray(k.transpose(TO_LAYOUT[k_spec]), dt)
-    v_l = jnp.asarray(v.transpose(TO_LAYOUT[v_spec]), dt)
-    cut = {"bksd": lambda a, s: a[:, :, s], "bkds": lambda a, s: a[..., s]}
-    segments = [(cut[k_spec](k_l, part), cut[v_spec](v_l, part), jnp.asarray(mask[..., part]))
-                for part in (slice(0, 4), slice(4, T))]
+    k_l = jnp.asarray(k.transpose(KEYS), dt)
+    v_l = jnp.asarray(v.transpose(VALUES), dt)
+    segments = [(k_l[..., part], v_l[:, :, part], jnp.asarray(mask[..., part])) for part in (slice(0, 4), slice(4, T))]
     q_l = jnp.asarray(q, dt)
-    out = jax.jit(segmented_attention, static_argnums=2)(q_l, segments, layout)
-    whole = jax.jit(attention, static_argnums=4)(q_l, k_l, v_l, jnp.asarray(mask), layout)
-    if dtype == "float32":  # as test_attention_layouts_match_float64: a few ulps observed, 1e-5 allowed
+    out = jax.jit(segmented_attention)(q_l, segments)
+    whole = jax.jit(attention)(q_l, k_l, v_l, jnp.asarray(mask))
+    if dtype == "float32":  # as test_attention_matches_float64: a few ulps observed, 1e-5 allowed
         np.testing.assert_allclose(out, reference(q, k, v, mask, w)[0], rtol=0, atol=1e-5)
         np.testing.assert_allclose(out, whole, rtol=0, atol=1e-6)
     else:  # the same rounded probabilities, the value products summed in float32 in another order, rounded

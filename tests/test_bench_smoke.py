@@ -12,7 +12,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
-HELPERS = {"benchdoc.py", "flops.py"}  # modules the scripts import; nothing to run
+HELPERS = {"benchdoc.py", "flops.py", "static_sampler.py"}  # modules the scripts import; nothing to run
 DOCS = [ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "baselines.md"]  # what the scripts' --write targets
 TINY_RUN = ["model=tiny-qwen3", "task=parity", "task.options={}", "task.train_size=8", "lora.rank=4",
             "lora.layers=null", "rl.problems_per_step=1", "rl.rollouts=2", "sampling.max_new_tokens=4"]  # a tiny run

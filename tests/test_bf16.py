@@ -26,8 +26,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from marljax.engine.kv_pages import init_pages
 from marljax.models import ChatCodec, load_tokenizer
-from marljax.models.decoder import Decoder, ModelConfig, init_cache, linear, trainable_params
+from marljax.models.decoder import Decoder, ModelConfig, linear, trainable_params
 from marljax.models.precision import dot_f32, set_at
 from marljax.config import Config, ConfigError, resolve
 from marljax.models.loading import load_model, random_model
@@ -224,7 +225,7 @@ def test_storage_and_compute_dtypes():
     z16, z32 = fwd(stored16, tokens), fwd(stored32, tokens)
     assert z16.dtype == z32.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(z16), np.asarray(z32))
-    assert init_cache(stored32.config, 1, 8)[0]["k"].dtype == jnp.bfloat16
+    assert init_pages(stored32.config, 2, 4)[0]["kv"].dtype == jnp.bfloat16  # the engine's KV pages
     assert load_model("tiny-qwen3", dtype="bfloat16", param_dtype="float32").embed[...].dtype == jnp.float32
     with pytest.raises(ValueError, match="param_dtype='float16' is not supported"):
         load_model("tiny-qwen3", param_dtype="float16")

@@ -1,6 +1,7 @@
-"""Rollout engine: paged attention equals the dense cache's, greedy output equals the static sampler's with
-fewer slots than prompts, logprobs match a teacher-forced pass, sampling is per-request (independent of
-slots, chunking and the other prompts), identical prompts are prefilled once, pages all come back."""
+"""Rollout engine: paged attention equals the dense attention's, greedy output is the argmax of the uncached
+forward pass at every step with fewer slots than prompts (`uncached_reference`), logprobs match a
+teacher-forced pass, sampling is per-request (independent of slots, chunking and the other prompts),
+identical prompts are prefilled once, pages all come back."""
 import dataclasses
 import os
 import subprocess
@@ -16,14 +17,14 @@ from marljax.engine import Engine, cpu_attention
 from marljax.engine.engine import prefill_chunk
 from marljax.engine.kv_pages import PagePool, page_bytes
 from marljax.engine.scheduler import block_groups, stable_rows
-from marljax.engine.paged_attention import (CHUNK_PATHS, gather_attention, gpu_kernel_cache_attention, interleave,
-                                            kernel_cache_attention, length_groups, resolve_paged_attention,
-                                            write_pages)
+from marljax.engine.paged_attention import (CHUNK_PATHS, gather_attention, interleave, kernel_cache_attention,
+                                            length_groups, resolve_paged_attention, write_pages)
 from marljax.models.attention import attention
 from marljax.models.decoder import Decoder, ModelConfig
 from marljax.sampling import SamplingParams
 from marljax.shapes import page_bucket
-from marljax.static_sampler import generate_static as generate
+
+from uncached_reference import check_greedy, results
 
 CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, rope_theta=10_000.0, tie_embeddings=False)
@@ -53,7 +54,7 @@ def _paged_case(B, T, H, K, Dh, ps, W, ranks=1):
 
 def test_paged_attention_equals_dense_cache_attention():
     """Keys and values written through scattered page tables (keys and values interleaved by head, the
-    kernel's layout) and read back by gather give the dense cache's attention (same float32 softmax)
+    kernel's layout) and read back by gather give the dense attention over them (same float32 softmax)
     for queries at varied positions, with one pool and with a pool per rank (rows 0-1 and 2-3)."""
     B, T, H, K, Dh, ps, W = 4, 5, 4, 2, 8, 4, 4
     positions = np.asarray([[0, 3, 4, 9, 15], [2, 2, 7, 8, 11], [15, 14, 1, 5, 6], [4, 4, 4, 13, 2]], np.int32)
@@ -61,7 +62,7 @@ def test_paged_attention_equals_dense_cache_attention():
     for ranks in (1, 2):
         q, k, v, pool, table = _paged_case(B, T, H, K, Dh, ps, W, ranks)
         got = gather_attention(q, pool, table, positions)
-        want = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1), mask, "keys_sd")
+        want = attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)
         np.testing.assert_allclose(got, want, atol=1e-6)
         assert not np.allclose(got[:, 0], got[:, 1])  # positions matter
         assert table.max() == B // ranks * W  # pool-local page ids
@@ -106,55 +107,11 @@ def test_tpu_kernel_in_interpret_mode_equals_gather_path():
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def _gqa_case(dtype):
-    """SmolLM2-135M's attention shape (9 query heads on 3 KV heads of 64, pages of 16), rows whose last
-    positions are 0, 16, 37 and 47 (1, 2, 3 and 3 of 3 pages; W = 3 is padded to the kernel's 4), and
-    their new keys."""
-    B, H, K, Dh, ps, W = 4, 9, 3, 64, 16, 3
-    q, _, _, pool, table = _paged_case(B, 1, H, K, Dh, ps, W)
-    positions = np.asarray([[0], [16], [37], [47]], np.int32)
-    new = jax.random.normal(jax.random.key(9), (B, 1, 2 * K, Dh))
-    return q.astype(dtype), new.astype(dtype), pool.astype(dtype), table, positions
-
-
-@pytest.mark.parametrize("case,dtype,tol", [("kernel", jnp.float32, 1e-5), ("gqa", jnp.float32, 1e-5),
-                                            ("gqa", jnp.bfloat16, 2e-2)])
-def test_gpu_kernel_in_interpret_mode_equals_gather_path(case, dtype, tol):
-    """The GPU paged-attention kernel in Pallas' interpreter, reading keys and values in place from the
-    interleaved pool, against the gather path: decode rows of different lengths (a row at position 0, a
-    page table padded with the null page), grouped queries padded to 16; float32 max error ≤ 1e-5
-    (measured ~1e-6), bfloat16 ≤ 2e-2 (one rounding of inputs and output); the pool written equally."""
-    q, new, pool, table, positions = _kernel_case(1) if case == "kernel" else _gqa_case(dtype)
-    want_pool = write_pages(pool, new, table, positions)
-    want = gather_attention(q, want_pool, table, positions)
-    got, got_pool = gpu_kernel_cache_attention(q, new, pool, table, positions, interpret=True)
-    err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
-    print(f"max |GPU kernel (interpret) - gather| = {err:.2e} ({jnp.dtype(dtype).name})")
-    assert got.dtype == q.dtype and err <= tol and np.array_equal(got_pool, want_pool)
-    with pytest.raises(ValueError, match="one query per row"):
-        gpu_kernel_cache_attention(jnp.concatenate([q, q], 1), jnp.concatenate([new, new], 1), pool, table,
-                                   jnp.concatenate([positions, positions], 1))
-
-
-def test_gpu_kernel_lowers_through_triton_with_the_pool_in_place():
-    """Lowered for CUDA on this CPU host (Pallas' Triton lowering: block shapes Triton accepts), the decode
-    step is one Triton call that takes the interleaved pool itself as its key and value operands (no
-    per-step copy into separate key and value pages). Not compiled to PTX nor run: no GPU here."""
-    q, new, pool, table, positions = _gqa_case(jnp.float32)
-    step = jax.jit(lambda *a: gpu_kernel_cache_attention(*a, interpret=False))
-    text = step.trace(q, new, pool, table, positions).lower(lowering_platforms=("cuda",)).as_text()
-    calls = [line for line in text.splitlines() if "xla.gpu.triton" in line]
-    assert len(calls) == 1, text[-2000:]
-    pool_type = "tensor<" + "x".join(map(str, pool.shape[1:])) + "xf32>"  # [N, page, 2K, Dh] (one rank)
-    assert calls[0].split(" : (")[-1].count(pool_type) == 2  # keys and values: the same pool operand
-
-
 _KERNEL_ON_A_MESH = """
 import numpy as np, jax, jax.numpy as jnp
 from marljax import sharding
 from marljax.config import MeshConfig
-import functools
-from marljax.engine.paged_attention import _gathered, _gpu_kernel, gather_attention, per_shard, write_pages
+from marljax.engine.paged_attention import _gathered, gather_attention, per_shard, write_pages
 B, T, H, K, Dh, ps, N = 4, 1, 4, 2, 128, 4, 6
 ks = jax.random.split(jax.random.key(0), 3)
 q = jax.random.normal(ks[0], (B, T, H, Dh))
@@ -169,10 +126,7 @@ for ranks in (2, 1):  # a pool per data rank (rows 0-1, rows 2-3), then one repl
     want = gather_attention(q, want_pool, table, pos)
     with sharding.use_mesh(mesh, sharding.RULES["fsdp_tp"]):
         out, pool2 = jax.jit(lambda *a: per_shard(_gathered, *a))(q, new, pool, table, pos)
-        gpu, _ = jax.jit(lambda *a: per_shard(functools.partial(_gpu_kernel, interpret=True), *a))(q, new, pool,
-                                                                                                  table, pos)
-    errs += [float(jnp.max(jnp.abs(out - want))), float(jnp.max(jnp.abs(pool2 - want_pool))),
-             float(jnp.max(jnp.abs(gpu - want)))]
+    errs += [float(jnp.max(jnp.abs(out - want))), float(jnp.max(jnp.abs(pool2 - want_pool)))]
     specs.append(str(pool2.sharding.spec).replace(" ", ""))
 print(max(errs), *specs)
 """
@@ -183,8 +137,7 @@ def test_kernel_path_runs_per_rank_pool_on_a_mesh():
     per shard, heads split over tensor: with a pool per data rank (rows 0-1 in pool 0, 2-3 in pool 1,
     pool-local page ids) each shard writes its own; with one pool it stays replicated and every chip holds
     every write. With the gather attention per shard (the TPU kernel's pure-JAX reference is not
-    jittable), and with the GPU kernel per shard (Pallas' interpreter), attention and pool equal the
-    unsharded gather path."""
+    jittable), attention and pool equal the unsharded gather path."""
     env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"}
     out = subprocess.run([sys.executable, "-c", _KERNEL_ON_A_MESH], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -279,8 +232,7 @@ def test_stable_rows_keep_rows_in_their_rank_block():
 def test_paged_attention_path_by_backend():
     assert resolve_paged_attention("auto", "tpu") == "kernel"
     assert resolve_paged_attention("auto", "cpu") == ("chunk" if cpu_attention.unavailable() else "cpu_kernel")
-    assert resolve_paged_attention("auto", "gpu") == "gather"  # until gpu_kernel has run on a GPU
-    assert resolve_paged_attention("gpu_kernel", "cpu") == "gpu_kernel"
+    assert resolve_paged_attention("auto", "gpu") == "gather"
     assert resolve_paged_attention("kernel", "cpu") == "kernel"
     with pytest.raises(ValueError, match="one CPU device"):
         resolve_paged_attention("cpu_kernel", "tpu")
@@ -292,31 +244,27 @@ def test_paged_attention_path_by_backend():
         resolve_paged_attention("flash")
 
 
-def test_greedy_equals_static_sampler_with_few_slots(model):
+def test_greedy_equals_uncached_argmax_with_few_slots(model):
     """3 slots for 6 prompts (finished sequences hand their slot to waiting ones), pages of 4 positions,
-    chunks of 8 steps, and a stop token that ends some sequences early: the tokens, stops and logprobs
-    of `marljax.sampling.generate`."""
-    free = generate(model, PROMPTS, SamplingParams(max_new_tokens=30, temperature=0.0))
+    chunks of 8 steps, and a stop token that ends some sequences early: every token is the argmax of the
+    uncached forward pass over what came before it, each sequence stops at its first stop token, and the
+    logprobs are the float64 log-softmax of the uncached logits within 1e-5 (`check_greedy`)."""
+    free = Engine(model, num_slots=6).generate(PROMPTS, SamplingParams(max_new_tokens=30, temperature=0.0))
     stop = free.tokens[1][4]
     sp = SamplingParams(max_new_tokens=30, temperature=0.0, stop_token_ids=(stop,))
-    ref = generate(model, PROMPTS, sp)
     engine = Engine(model, num_slots=3, page_size=4, chunk_steps=8)
     out = engine.generate(PROMPTS, sp)
-    assert out.tokens == ref.tokens and out.finished == ref.finished
+    check_greedy(model, PROMPTS, out, 30, (stop,))
     assert len({len(t) for t in out.tokens}) > 1 and any(out.finished)  # varied lengths
-    for a, b in zip(out.logprobs, ref.logprobs):
-        np.testing.assert_allclose(a, b, atol=1e-5)
     # peak pages: what was in flight, under the worst-case sizing the pool got
     assert 0 < engine.stats.peak_kv_bytes < engine.stats.pool_bytes
 
 
-@pytest.mark.parametrize("att,ranks", [("chunk", 1), ("chunk", 2), ("cpu_kernel", 1), ("cpu_kernel", 2),
-                                       ("gpu_kernel", 1)])
+@pytest.mark.parametrize("att,ranks", [("chunk", 1), ("chunk", 2), ("cpu_kernel", 1), ("cpu_kernel", 2)])
 def test_decode_paths_equal_gather_attention(model, att, ranks):
     """Decode chunks over a dense copy of the pages (`chunk`, written back at the chunk's end; `cpu_kernel`,
-    its attention through the CPU kernel), or through the GPU paged-attention kernel (in Pallas'
-    interpreter here), against a gather per step: the same sampled tokens and stops (T = 1, top-k, a stop
-    token, 3 slots per rank recycled, chunks of 5 steps over pages of 4), logprobs within 1e-5, and the
+    its attention through the CPU kernel) against a gather per step: the same sampled tokens and stops (T = 1,
+    top-k, a stop token, 3 slots per rank recycled, chunks of 5 steps over pages of 4), logprobs within 1e-5, and the
     same pools afterwards (every page but the null page, which takes the padding rows' writes) within
     1e-5. The dense-copy paths keep their copy from chunk to chunk: they gather fewer rows than they
     decode."""
@@ -420,7 +368,7 @@ def test_sampling_is_per_request_reproducible_and_batch_invariant(model):
 def test_identical_prompts_are_prefilled_once(model):
     """A GRPO group: 8 rollouts of one prompt (2 full pages + a partial one) are prefilled once and share
     the full pages; the samples equal those of the unshared engine (same per-request streams); greedy,
-    all 8 equal the static sampler's."""
+    all are the uncached argmax (`check_greedy`)."""
     group = [list(range(20, 31))] * 8 + [[3, 1, 4]] * 2
     sp = SamplingParams(max_new_tokens=10, temperature=1.0, seed=3)
     shared = Engine(model, num_slots=10, page_size=4, chunk_steps=8)
@@ -431,16 +379,15 @@ def test_identical_prompts_are_prefilled_once(model):
     np.testing.assert_allclose(np.concatenate(a.logprobs), np.concatenate(b.logprobs), atol=1e-5)
     assert shared.stats.peak_pages < alone.stats.peak_pages  # 2 full pages × 7 + 1 × 1 not duplicated
     greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
-    assert shared.generate(group, greedy).tokens == generate(model, group, greedy).tokens
+    check_greedy(model, group, shared.generate(group, greedy), 10)
 
 
 def test_small_pool_makes_requests_wait_and_returns_every_page(model):
     """A pool that holds two sequences' worst case at a time: the rest wait for pages, outputs are
-    unchanged; a prompt that cannot fit even alone is refused."""
+    unchanged (the uncached argmax, `check_greedy`); a prompt that cannot fit even alone is refused."""
     sp = SamplingParams(max_new_tokens=16, temperature=0.0)
-    ref = generate(model, PROMPTS, sp)
     engine = Engine(model, num_slots=4, page_size=4, chunk_steps=8, num_pages=1 + 2 * 13)
-    assert engine.generate(PROMPTS, sp).tokens == ref.tokens
+    check_greedy(model, PROMPTS, engine.generate(PROMPTS, sp), 16)
     assert engine.stats.peak_pages <= 26
     with pytest.raises(ValueError, match="pages"):
         Engine(model, num_slots=4, page_size=4, num_pages=8).generate([list(range(40))], sp)
@@ -479,10 +426,11 @@ def test_page_pool_refcounts():
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_equals_static_sampler(smollm2_gguf):
+def test_smollm2_greedy_equals_uncached_argmax(smollm2_gguf):
     """The real SmolLM2-135M: 5 chat prompts of varied lengths, 2 rollouts each, through 4 slots; greedy
-    tokens equal `marljax.sampling.generate`'s, logprobs within 5e-5 (the float32 noise of 30 layers: the
-    static sampler itself gives these prompts logprobs 3.4e-5 apart alone vs in a batch of 10); each
+    tokens are the argmax of the uncached forward pass at every step, logprobs within 5e-5 of its float64
+    log-softmax (the float32 noise of 30 layers: the static sampler gave these prompts logprobs 3.4e-5
+    apart alone vs in a batch of 10; `check_greedy`); each
     prompt prefilled once, its leading pages shared with an earlier prompt (the chat template's system
     text) taken from the prefix cache instead."""
     from marljax.models import ChatCodec, load_model, load_tokenizer
@@ -494,14 +442,10 @@ def test_smollm2_greedy_equals_static_sampler(smollm2_gguf):
                  "Janet has 3 apples and buys 4 more, then gives half of them away. How many are left?"]
     prompts = [codec.render([{"role": "user", "content": q}]) for q in questions for _ in range(2)]
     sp = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=codec.stop_token_ids)
-    layers = layer_weights(model)
-    ref = generate(model, prompts, sp, layers=layers)
     engine = Engine(model, num_slots=4, chunk_steps=8)
-    out = engine.generate(prompts, sp, layers=layers)
-    assert out.tokens == ref.tokens and out.finished == ref.finished
+    out = engine.generate(prompts, sp, layers=layer_weights(model))
+    check_greedy(model, prompts, out, 40, codec.stop_token_ids, atol=5e-5)
     assert len({len(t) for t in out.tokens}) > 1
-    for a, b in zip(out.logprobs, ref.logprobs):
-        np.testing.assert_allclose(a, b, atol=5e-5)
     stats = engine.stats
     assert stats.prefill_tokens + stats.cached_tokens == sum(map(len, prompts[::2])) and stats.cached_tokens > 0
 
@@ -571,17 +515,13 @@ def test_prefix_cache_reuses_an_earlier_prompts_pages(model):
 
 def test_chunked_prefill_equals_one_call(model):
     """`prefill_tokens`: prompts prefilled 16 positions per call (the 35-token prompt in 3 chunks, each
-    attending the pages the chunks before it wrote) give the static sampler's greedy tokens and logprobs;
-    so does a prompt prefilled in 2 chunks after 12 cached positions of an earlier prompt."""
+    attending the pages the chunks before it wrote) give the uncached argmax and its logprobs
+    (`check_greedy`); so does a prompt prefilled in 2 chunks after 12 cached positions of an earlier prompt."""
     sp = SamplingParams(max_new_tokens=12, temperature=0.0)
-    ref = generate(model, PROMPTS, sp)
     engine = Engine(model, num_slots=6, page_size=4, chunk_steps=8, prefill_tokens=16)
     assert (prefill_chunk(16, 8, 64), prefill_chunk(256, 4, 64), prefill_chunk(256, 1, 1024), prefill_chunk(None, 2, 64)) \
         == (16, 64, 256, 64)
-    out = engine.generate(PROMPTS, sp)
-    assert out.tokens == ref.tokens
-    for a, b in zip(out.logprobs, ref.logprobs):
-        np.testing.assert_allclose(a, b, atol=1e-5)
+    check_greedy(model, PROMPTS, engine.generate(PROMPTS, sp), 12)
     assert engine.stats.prefill_calls == 3  # one admission round, the longest prompt in 3 chunks
     first = list(range(30, 45))
     later = first[:12] + list(range(60, 80))  # 12 cached positions, then 20 to prefill: 2 chunks
@@ -591,9 +531,7 @@ def test_chunked_prefill_equals_one_call(model):
         while not run.idle:
             run.step()
     assert run.stats.cached_tokens == 12 and run.stats.prefill_calls == 1 + 2
-    ref_later = generate(model, [later], sp)
-    assert run.result(r)[0] == ref_later.tokens[0]
-    np.testing.assert_allclose(run.result(r)[1], ref_later.logprobs[0], atol=1e-5)
+    check_greedy(model, [later], results(run, [r]), 12)
     with pytest.raises(ValueError, match="prefill_tokens=8"):
         Engine(model, prefill_tokens=8)
 
@@ -645,20 +583,18 @@ def _run_checked(engine, prompts, sp):
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_rank_pools_equal_static_sampler_and_one_rank(model, ranks):
+def test_rank_pools_equal_uncached_argmax_and_one_rank(model, ranks):
     """4 slots over 2 or 4 rank pools for 6 prompts, pages of 4, chunks of 8, a stop token: greedy tokens,
-    stops and logprobs equal the static sampler's (rows in rank blocks read their own rank's pages);
+    stops and logprobs are the uncached argmax's (`check_greedy`: rows in rank blocks read their own rank's pages);
     seeded samples equal the one-rank engine's (per-request keys). Every sequence's pages come from its
     slot's rank and all come back; requests land on every rank."""
-    free = generate(model, PROMPTS, SamplingParams(max_new_tokens=30, temperature=0.0))
+    free = Engine(model, num_slots=6).generate(PROMPTS, SamplingParams(max_new_tokens=30, temperature=0.0))
     sp = SamplingParams(max_new_tokens=30, temperature=0.0, stop_token_ids=(free.tokens[1][4],))
-    ref = generate(model, PROMPTS, sp)
     engine = Engine(model, num_slots=4, page_size=4, chunk_steps=8, ranks=ranks)
     run, placed = _run_checked(engine, PROMPTS, sp)
-    assert [run.result(i)[0] for i in range(len(PROMPTS))] == ref.tokens
-    assert [run.result(i)[2] for i in range(len(PROMPTS))] == ref.finished and any(ref.finished)
-    for i, lp in enumerate(ref.logprobs):
-        np.testing.assert_allclose(run.result(i)[1], lp, atol=1e-5)
+    out = results(run, range(len(PROMPTS)))
+    check_greedy(model, PROMPTS, out, 30, sp.stop_token_ids)
+    assert any(out.finished)
     assert set(placed.values()) == set(range(ranks))
     assert 0 < engine.stats.peak_kv_bytes < engine.stats.pool_bytes
     seeded = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=5)
@@ -712,12 +648,12 @@ def test_prefix_cache_is_per_rank(model):
 
 def test_small_rank_pools_make_requests_wait(model):
     """A fixed pool per rank that holds the longest prompt's worst case (14 pages): 4 slots over 2 ranks run at
-    most one sequence per rank, the rest wait; outputs equal the static sampler's and every page comes
-    back. Bad shapes are refused."""
+    most one sequence per rank, the rest wait; outputs are the uncached argmax (`check_greedy`) and every
+    page comes back. Bad shapes are refused."""
     sp = SamplingParams(max_new_tokens=16, temperature=0.0)
     engine = Engine(model, num_slots=4, page_size=4, chunk_steps=8, num_pages=1 + 14, ranks=2)
     run, placed = _run_checked(engine, PROMPTS, sp)
-    assert [run.result(i)[0] for i in range(len(PROMPTS))] == generate(model, PROMPTS, sp).tokens
+    check_greedy(model, PROMPTS, results(run, range(len(PROMPTS))), 16)
     assert set(placed.values()) == {0, 1} and engine.stats.peak_pages <= 2 * 14
     assert engine.stats.pool_bytes == 2 * 15 * page_bytes(CFG, 4)
     with pytest.raises(ValueError, match="num_slots=6 is not a multiple of ranks=4"):

@@ -16,7 +16,7 @@ LAYERS: dict[str, str] = {
     "marljax.sharding": "core", "marljax.shapes": "core", "marljax.host_memory": "core",
     "marljax.compile_cache": "core", "marljax.storage": "core", "marljax.peer_watch": "core",
     "marljax.models": "models",
-    "marljax.sampling": "sampling", "marljax.static_sampler": "sampling", "marljax.policy_sampler": "sampling", "marljax.engine": "sampling",
+    "marljax.sampling": "sampling", "marljax.policy_sampler": "sampling", "marljax.engine": "sampling",
     "marljax.tasks": "tasks",
     "marljax.workflows": "workflows",
     "marljax.rl": "rl",

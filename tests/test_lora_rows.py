@@ -1,8 +1,9 @@
 """Per-row LoRA in the cached path: G parameter sets in one batch on the shared base (issue #17 item 4).
 
 Every row of a mixed batch (sets of 3, 0 and 2 rows, then 3 padding rows) is checked against that set's
-rows run alone through the single-adapter `lora=` path and against the set's merged weights, over a cached
-prefill and a decode step; padding rows against the base alone."""
+rows run alone through the single-adapter `lora=` path, against the set's merged weights and against the
+uncached forward pass, over a cached prefill and a decode step (the rollout engine's KV pages); padding
+rows against the base alone."""
 import functools
 
 import jax
@@ -12,7 +13,6 @@ import pytest
 
 from marljax.engine.kv_pages import init_pages
 from marljax.engine.paged_attention import paged_cache_attention
-from marljax.models.decoder import init_cache
 from marljax.models.lora import LoRAConfig, init_lora, stack_adapters
 from marljax.sampling import layer_weights
 
@@ -35,17 +35,13 @@ def adapters(config, n=len(GROUPS), lc=LORA, b_scale=0.3):
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("lora_scale", "paged"))
-def run(model, tokens_bt, paged=False, **kw):
+@functools.partial(jax.jit, static_argnames="lora_scale")
+def run(model, tokens_bt, **kw):
     """Hidden states of a cached prefill of `tokens_bt` [B, P] and of one decode step after it ([B, P + 1, E]),
-    and their logits. `paged`: the rollout engine's KV pages (row b in pages 2b + 1, 2b + 2) instead of a
-    dense cache."""
+    and their logits, through the rollout engine's KV pages (row b in pages 2b + 1, 2b + 2)."""
     B = tokens_bt.shape[0]
-    if paged:
-        cache = init_pages(model.config, 2 * B + 1, PAGE)
-        kw["cache_attention"] = paged_cache_attention(jnp.arange(1, 2 * B + 1, dtype=jnp.int32).reshape(B, 2))
-    else:
-        cache = init_cache(model.config, B, P + 1)
+    cache = init_pages(model.config, 2 * B + 1, PAGE)
+    kw["cache_attention"] = paged_cache_attention(jnp.arange(1, 2 * B + 1, dtype=jnp.int32).reshape(B, 2))
     pos_bt = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     h_pre, cache = model.hidden(tokens_bt[:, :-1], pos_bt, cache=cache, **kw)
     pos_b1 = jnp.full((B, 1), P, jnp.int32)
@@ -66,8 +62,8 @@ def set_rows():
         slice(starts[-1], starts[-1] + PAD)
 
 
-def grouped(model, tokens, ads, paged=False):
-    return run(model, tokens, paged, lora=stack_adapters(ads), lora_scale=LORA.scale,
+def grouped(model, tokens, ads):
+    return run(model, tokens, lora=stack_adapters(ads), lora_scale=LORA.scale,
                lora_groups=jnp.asarray(GROUPS, jnp.int32))
 
 
@@ -87,13 +83,18 @@ def test_each_row_applies_its_own_set():
     np.testing.assert_allclose(h[pad], h_base, atol=1e-5, rtol=1e-5)
 
 
-def test_engine_pages_equal_the_dense_cache():
-    """Through `cache_attention` (the engine's paged KV) per-row LoRA gives the dense cache's rows."""
+def test_engine_pages_equal_the_uncached_pass():
+    """Through `cache_attention` (the engine's paged KV) per-row LoRA gives each set's rows of the uncached
+    forward pass over all P + 1 tokens with that set's adapter (no cache at all), and the padding rows the
+    base's."""
     model = _tiny()
     tokens, ads = batch(model.config, seed=2), adapters(model.config)
-    h_paged, _ = grouped(model, tokens, ads, paged=True)
-    h_dense, _ = grouped(model, tokens, ads)
-    np.testing.assert_allclose(h_paged, h_dense, atol=1e-5, rtol=1e-5)
+    h_paged, _ = grouped(model, tokens, ads)
+    sets, pad = set_rows()
+    uncached = jax.jit(lambda m, t, lora: m.hidden(t, lora=lora, lora_scale=LORA.scale)[0])
+    for g, rows in sets:
+        np.testing.assert_allclose(h_paged[rows], uncached(model, tokens[rows], ads[g]), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(h_paged[pad], uncached(model, tokens[pad], None), atol=1e-5, rtol=1e-5)
 
 
 def test_partial_layer_adapters_and_only_the_last_set():

@@ -13,7 +13,8 @@ from flax import nnx
 
 from marljax import matrix
 from marljax.config import load_config
-from marljax.models.decoder import Decoder, init_cache
+from marljax.engine.kv_pages import init_pages
+from marljax.models.decoder import Decoder
 from marljax.models.lora import LoRAConfig, init_lora, stack_adapters
 from marljax.models.presets import PRESETS
 from marljax.rl.step import make_optimizer
@@ -108,7 +109,7 @@ def test_memory_formula_matches_a_tiny_qwen3_run():
     opt = make_optimizer()
     states = [opt.init(a) for a in adapters]
     measured["optimizer"] = _live_bytes() - start - measured["base"] - measured["lora"]
-    cache = init_cache(cfg, rows, length)
+    cache = init_pages(cfg, rows * length // 16, 16)  # the engine's pages for rows × length tokens
     measured["kv_cache"] = _live_bytes() - start - sum(measured.values())
     layers, stacked = model.layer_list(), stack_adapters(adapters)  # a mix_sets stream's (one rank)
     measured["rollout_weights"] = _live_bytes() - start - sum(measured.values())

@@ -12,9 +12,10 @@ import pytest  # noqa: E402
 torch = pytest.importorskip("torch", reason="torch (test dependency) is not installed")
 transformers = pytest.importorskip("transformers")
 
+from marljax.engine import Engine  # noqa: E402
 from marljax.models import ChatCodec, load_model, load_tokenizer, save_hf  # noqa: E402
-from marljax.models.decoder import init_cache  # noqa: E402
 from marljax.models.presets import PRESETS  # noqa: E402
+from marljax.sampling import SamplingParams  # noqa: E402
 
 TOL = 1e-4  # max |ours - transformers| <= TOL * max |logit|
 
@@ -143,23 +144,10 @@ def smollm2(smollm2_gguf):
 
 
 def our_greedy(model, prompts: list[list[int]], n: int, stop: tuple[int, ...]) -> list[list[int]]:
-    """Plain greedy loop over the decoder's KV cache: right-padded prefill, then one token per step
-    for every row at its own position; each row cut after its first stop token."""
-    B, P = len(prompts), max(map(len, prompts))
-    ids = np.zeros((B, P), np.int32)
-    for i, p in enumerate(prompts):
-        ids[i, :len(p)] = p
-    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    step = jax.jit(lambda m, t, pos, c: m(t, pos, cache=c))
-    logits, cache = step(model, jnp.asarray(ids), None, init_cache(model.config, B, P + n))
-    tok = jnp.argmax(logits[jnp.arange(B), lengths - 1], -1)
-    out = [tok]
-    for k in range(n - 1):
-        logits, cache = step(model, tok[:, None], (lengths + k)[:, None], cache)
-        tok = jnp.argmax(logits[:, 0], -1)
-        out.append(tok)
-    rows = np.stack([np.asarray(t) for t in out], 1).tolist()
-    return [r[:next((j + 1 for j, t in enumerate(r) if t in stop), n)] for r in rows]
+    """Greedy decoding by the rollout engine (the package's sampler: KV pages, one slot per prompt), at most
+    `n` tokens per prompt, each cut after its first stop token."""
+    sp = SamplingParams(max_new_tokens=n, temperature=0.0, stop_token_ids=tuple(stop))
+    return Engine(model, num_slots=len(prompts)).generate(prompts, sp).tokens
 
 
 def test_smollm2_gguf_matches_transformers(smollm2):

@@ -153,40 +153,6 @@ def test_blocked_categorical_draws_the_softmax():
     np.testing.assert_array_less(np.abs(freq - p), 4.5 * np.sqrt(p * (1 - p) / n) + 1e-12)
 
 
-def test_static_sampler_keeps_the_issue_start_draw(model):
-    """`draw="categorical"` is `jax.random.categorical` on the tempered logits (the static sampler's draw
-    before the blocked one: bench/rollout.py's static-issue-start contender); its logprobs are still those
-    of the tempered distribution; an unknown draw is named."""
-    from marljax.static_sampler import generate_static
-    logits = jax.random.normal(jax.random.key(0), (8, 97)) * 3
-    key = jax.random.key(5)
-    np.testing.assert_array_equal(choose(logits, key, 0.7, 1.0, 0, "categorical"),
-                                  jax.random.categorical(key, logits / 0.7, axis=-1))
-    with pytest.raises(ValueError, match="draw='gumbel'.*categorical"):
-        choose(logits, key, 0.7, 1.0, 0, "gumbel")
-    sp = SamplingParams(max_new_tokens=6, temperature=0.7, seed=4)
-    old, new = (generate_static(model, PROMPTS, sp, draw=d) for d in ("categorical", "blocked"))
-    assert old.tokens == generate_static(model, PROMPTS, sp, draw="categorical").tokens and old.tokens != new.tokens
-    for p, toks, lps in zip(PROMPTS, old.tokens, old.logprobs):
-        np.testing.assert_allclose(lps, _teacher_forced_logprobs(model, p, toks, 0.7), atol=1e-5)
-
-
-@pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_static_sampler_cache_layouts_agree(model, temperature):
-    """The KV cache in either layout (`ATTENTION_LAYOUTS`: "keys_ds", the default, and "keys_sd", the issue
-    start's) gives the same tokens and logprobs within 1e-5 (the same matmuls, transposed), greedy and
-    seeded; an unknown layout is named."""
-    from marljax.models.decoder import init_cache
-    from marljax.static_sampler import generate_static
-    sp = SamplingParams(max_new_tokens=8, temperature=temperature, seed=3)
-    ds, sd = (generate_static(model, PROMPTS, sp, cache_layout=lay) for lay in ("keys_ds", "keys_sd"))
-    assert ds.tokens == sd.tokens and ds.finished == sd.finished
-    for a, b in zip(ds.logprobs, sd.logprobs):
-        np.testing.assert_allclose(a, b, atol=1e-5)
-    with pytest.raises(ValueError, match="layout 'bkds'.*keys_ds"):
-        init_cache(CFG, 1, 8, layout="bkds")
-
-
 def test_bad_sampling_params_are_rejected():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)

@@ -1,10 +1,9 @@
 """Drawing tokens: the sampling settings, the sampler's output, and the per-row token draw.
 
-Shared by the rollout engine (`marljax.engine.engine`) and the static sampler
-(`marljax.static_sampler`); `marljax.sampling` re-exports them. Logprobs are those of the drawn token
-under the tempered distribution it was drawn from, log_softmax(logits / temperature) (the raw logits at
-temperature 0), before top-p / top-k truncation: the distribution the trainer scores at
-`rl.logprob_temperature` (= the sampling temperature by default).
+Used by the rollout engine (`marljax.engine.engine`); `marljax.sampling` re-exports them. Logprobs are
+those of the drawn token under the tempered distribution it was drawn from, log_softmax(logits /
+temperature) (the raw logits at temperature 0), before top-p / top-k truncation: the distribution the
+trainer scores at `rl.logprob_temperature` (= the sampling temperature by default).
 """
 from __future__ import annotations
 
@@ -53,9 +52,9 @@ def first_argmax(x_bv):
     return jnp.min(jnp.where(at_max, iota, x_bv.shape[-1]), axis=-1)
 
 
-def choose(logits_bv, key, temperature: float, top_p: float, top_k: int, draw: str = "blocked"):
+def choose(logits_bv, key, temperature: float, top_p: float, top_k: int):
     """Draw one token per row from float32 logits (greedy when temperature is 0), after top-k / top-p
-    truncation, by `DRAWS[draw]`."""
+    truncation, by `blocked_categorical`."""
     if temperature == 0.0:
         return first_argmax(logits_bv)
     logits = logits_bv / temperature
@@ -70,9 +69,7 @@ def choose(logits_bv, key, temperature: float, top_p: float, top_k: int, draw: s
         mass_before = jnp.cumsum(probs, axis=-1) - probs
         cutoff = jnp.min(jnp.where(mass_before < top_p, sorted_desc, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits < cutoff, neg, logits)
-    if draw not in DRAWS:
-        raise ValueError(f"draw={draw!r}; choose from {sorted(DRAWS)}.")
-    return DRAWS[draw](key, logits)
+    return blocked_categorical(key, logits)
 
 
 GUMBEL_BLOCK = 256  # vocabulary entries per block of `blocked_categorical`
@@ -89,24 +86,13 @@ def blocked_categorical(key, logits_bv, block: int = GUMBEL_BLOCK):
     where both Gumbel argmaxes have an O(1) gap: draws stay batch-invariant."""
     B, V = logits_bv.shape
     padded = jnp.pad(logits_bv, ((0, 0), (0, -V % block)), constant_values=-jnp.inf)
-    logits_bnk = padded.reshape(B, -1, block)
-    mass_bn = jax.nn.logsumexp(logits_bnk, axis=-1)
+    logits_bnc = padded.reshape(B, -1, block)  # n blocks of c entries
+    mass_bn = jax.nn.logsumexp(logits_bnc, axis=-1)
     key_block, key_entry = jax.random.split(key)
-    n_b = jnp.argmax(mass_bn + jax.random.gumbel(key_block, mass_bn.shape), axis=-1)
-    logits_bk = jnp.take_along_axis(logits_bnk, n_b[:, None, None], axis=1)[:, 0]
-    k_b = jnp.argmax(logits_bk + jax.random.gumbel(key_entry, logits_bk.shape), axis=-1)
-    return (n_b * block + k_b).astype(jnp.int32)
-
-
-def full_categorical(key, logits_bv):
-    """One draw per row by `jax.random.categorical`: a Gumbel number per vocabulary entry. The samplers'
-    draw until `blocked_categorical` (the static sampler's at the rollout engine's start: bench/rollout.py's
-    `static-issue-start` contender)."""
-    return jax.random.categorical(key, logits_bv, axis=-1).astype(jnp.int32)
-
-
-# The exact draws from softmax(logits) `choose` can make; the engine and the samplers use "blocked".
-DRAWS = {"blocked": blocked_categorical, "categorical": full_categorical}
+    block_b = jnp.argmax(mass_bn + jax.random.gumbel(key_block, mass_bn.shape), axis=-1)
+    logits_bc = jnp.take_along_axis(logits_bnc, block_b[:, None, None], axis=1)[:, 0]
+    entry_b = jnp.argmax(logits_bc + jax.random.gumbel(key_entry, logits_bc.shape), axis=-1)
+    return (block_b * block + entry_b).astype(jnp.int32)
 
 
 def logprob_of(logits_bv, tok_b, temperature: float):
@@ -116,12 +102,12 @@ def logprob_of(logits_bv, tok_b, temperature: float):
     return logit_b - jax.nn.logsumexp(tempered_bv, axis=-1)
 
 
-def sample_rows(logits_bv, keys_bk, n_gen_b, temperature: float, top_p: float, top_k: int):
-    """Each row's next token, drawn with its own key (raw key data [b, k]) folded with its token index
+def sample_rows(logits_bv, keys_bu, n_gen_b, temperature: float, top_p: float, top_k: int):
+    """Each row's next token, drawn with its own key (raw key data [B, U]) folded with its token index
     n_gen_b, and its logprob (`logprob_of`): a row's draw depends on its own stream only."""
     def one(logits_v, key_data, t):
         key = jax.random.fold_in(jax.random.wrap_key_data(key_data), t)
         return choose(logits_v[None], key, temperature, top_p, top_k)[0]
 
-    tok_b = jax.vmap(one)(logits_bv, keys_bk, n_gen_b)
+    tok_b = jax.vmap(one)(logits_bv, keys_bu, n_gen_b)
     return tok_b, logprob_of(logits_bv, tok_b, temperature)

@@ -28,9 +28,8 @@ prompts are prefilled chunk after chunk, each attending the pages the chunks bef
 
 Randomness is per request, not per batch: a request draws its t-th token with fold_in(key, t), its own
 key whatever else is in flight (`generate`: request i's key is fold_in(key(seed), i)), so outputs do not
-depend on the slot count, the chunk length, the pool or the other prompts. Seeded samples therefore
-differ from the static sampler's (`marljax.static_sampler`: one draw for the whole batch per step);
-greedy outputs are the same.
+depend on the slot count, the chunk length, the pool or the other prompts.
+Suffixes: the legend in marljax/models/decoder.py (rows b, requests q, raw key words u, page tables bw).
 """
 from __future__ import annotations
 
@@ -48,10 +47,11 @@ from marljax.engine.draw import SampleOutput, SamplingParams, sample_rows
 from marljax.engine.kv_pages import (NULL_PAGE, PagePool, copy_pages, grow_pages, init_pages, page_bytes, pages_for,
                                      pool_pages)
 from marljax.engine.paged_attention import (CHUNK_PATHS, chunk_cache_attention, chunk_writes, dense_cache,
-                                            gather_dense, interleave, length_groups, paged_cache_attention,
-                                            refresh_dense, resolve_paged_attention, write_pages)
+                                            gather_dense, init_dense, interleave, length_groups,
+                                            paged_cache_attention, refresh_dense, resolve_paged_attention,
+                                            write_dense, write_pages)
 from marljax.engine.scheduler import ADMISSIONS, Scheduler, block_groups, rank_rows
-from marljax.models.decoder import Decoder, init_cache, write_cache
+from marljax.models.decoder import Decoder
 from marljax.models.lora import stack_adapters
 from marljax.shapes import bucket, bucket_rows, page_bucket
 
@@ -140,10 +140,10 @@ class Engine:
             raise ValueError("generate() got an empty prompt; every prompt needs at least one token.")
         run = self.stream(params, layers=layers)
         base = jax.random.key(params.seed)
-        keys_nk = np.asarray(jax.random.key_data(jax.vmap(lambda i: jax.random.fold_in(base, i))(
+        keys_qu = np.asarray(jax.random.key_data(jax.vmap(lambda i: jax.random.fold_in(base, i))(
             jnp.arange(len(prompts)))))
         try:
-            for p, k in zip(prompts, keys_nk):
+            for p, k in zip(prompts, keys_qu):
                 run.submit(p, k)
             while not run.idle:
                 run.step()
@@ -173,33 +173,33 @@ class Engine:
         T = bucket(max(todo), PREFILL_CHUNK_MIN)
         C = prefill_chunk(self.prefill_tokens, n, T)
         width = page_bucket(pages_for(max(start) + T, ps))
-        table_nw = np.zeros((n, width), np.int32)
+        table_bw = np.zeros((n, width), np.int32)
         for i, p in enumerate(rows):
             if p is not None:
                 own = p.full_pages + ([p.partial_page] if p.partial_page is not None else [])
-                table_nw[i, : len(own)] = own
+                table_bw[i, : len(own)] = own
         if lora is not None:
             num_sets = jax.tree.leaves(lora["lora"])[0].shape[0] // self.ranks
             lora = {**lora, "lora_groups": block_groups([(p.rank, p.group) for p in prefixes], self.ranks, per_rank,
                                                          num_sets)}
-        hidden_nd, starts = None, range(0, max(todo), C)
+        hidden_be, starts = None, range(0, max(todo), C)
         for c0 in starts:
-            tokens_nc = np.zeros((n, C), np.int32)
-            start_n = np.zeros(n, np.int32)
-            last_n = np.zeros(n, np.int32)
+            tokens_bc = np.zeros((n, C), np.int32)
+            start_b = np.zeros(n, np.int32)
+            last_b = np.zeros(n, np.int32)
             ends_here = np.zeros(n, bool)  # rows whose last prompt token is in this chunk
             for i, (p, s, m) in enumerate(zip(rows, start, todo)):
                 if p is None:
                     continue
                 part = p.prompt[s + c0: s + min(m, c0 + C)]
-                tokens_nc[i, : len(part)] = part
-                start_n[i] = s + c0
+                tokens_bc[i, : len(part)] = part
+                start_b[i] = s + c0
                 ends_here[i] = c0 <= m - 1 < c0 + C
-                last_n[i] = min(max(m - 1 - c0, 0), C - 1)
-            pages, h_nd = _prefill(self.graphdef, self.state, layers, pages, tokens_nc, start_n, table_nw, last_n,
+                last_b[i] = min(max(m - 1 - c0, 0), C - 1)
+            pages, h_be = _prefill(self.graphdef, self.state, layers, pages, tokens_bc, start_b, table_bw, last_b,
                                    lora, attention=self.attention)
-            hidden_nd = h_nd if hidden_nd is None else jnp.where(ends_here[:, None], h_nd, hidden_nd)
-        return pages, hidden_nd[row], len(starts)
+            hidden_be = h_be if hidden_be is None else jnp.where(ends_here[:, None], h_be, hidden_be)
+        return pages, hidden_be[row], len(starts)
 
     def release(self) -> None:
         """Free the pool kept for the next stream (`_take_pool`), its device buffers at once (not when Python
@@ -234,7 +234,7 @@ class Stream:
         self.sched = Scheduler(self.pools, engine.num_slots, ps, params.max_new_tokens, engine.share_prefixes,
                                num_groups, engine.admission, engine.chunk_steps, stable=lora is None)
         self.dense, self.dense_seqs = None, []  # the chunk path's dense caches and the sequence of each row
-        self.keys_nk = np.zeros((0, 0), np.uint32)
+        self.keys_qu = np.zeros((0, 0), np.uint32)
         self.stops = tuple(sorted(set(params.stop_token_ids))) or (-1,)
         self.sampling = dict(temperature=float(params.temperature), top_p=float(params.top_p),
                              top_k=int(params.top_k))
@@ -265,12 +265,12 @@ class Stream:
         if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.key_data(key)
         key = np.asarray(key, np.uint32)
-        if len(self.keys_nk) == self.sched.submitted:
-            grown = np.zeros((max(8, 2 * len(self.keys_nk)), key.size), np.uint32)
-            if len(self.keys_nk):
-                grown[: len(self.keys_nk)] = self.keys_nk
-            self.keys_nk = grown
-        self.keys_nk[self.sched.submitted] = key
+        if len(self.keys_qu) == self.sched.submitted:
+            grown = np.zeros((max(8, 2 * len(self.keys_qu)), key.size), np.uint32)
+            if len(self.keys_qu):
+                grown[: len(self.keys_qu)] = self.keys_qu
+            self.keys_qu = grown
+        self.keys_qu[self.sched.submitted] = key
         return self.sched.submit(prompt, group)
 
     def result(self, request: int) -> tuple[list[int], list[float], bool]:
@@ -285,9 +285,9 @@ class Stream:
             self._grow(sched.demand())
         adm = sched.admit()
         if adm.prefill:
-            self.pages, hidden_nd, calls = e._prefill(self.pages, self.layers, adm.prefill, self.lora)
+            self.pages, hidden_be, calls = e._prefill(self.pages, self.layers, adm.prefill, self.lora)
             for i, prefix in enumerate(adm.prefill):
-                prefix.hidden = hidden_nd[i]
+                prefix.hidden = hidden_be[i]
             sched.prefilled(adm.prefill)
             stats.prefill_calls += calls
         if adm.copy_src:  # in rank blocks, padded with null-page-onto-itself copies (few compiles)
@@ -297,11 +297,11 @@ class Stream:
             self.pages = copy_pages(self.pages, src, dst)
         if adm.members:
             rows = bucket(len(adm.members))
-            hidden_md = jnp.stack([seq.prefix.hidden for _, seq in adm.members]
+            hidden_be = jnp.stack([seq.prefix.hidden for _, seq in adm.members]
                                   + [adm.members[0][1].prefix.hidden] * (rows - len(adm.members)))
             req = np.zeros(rows, np.int32)
             req[: len(adm.members)] = [seq.request for _, seq in adm.members]
-            tok, logp = _first_tokens(e.graphdef, e.state, hidden_md, self.keys_nk[req], **self.sampling)
+            tok, logp = _first_tokens(e.graphdef, e.state, hidden_be, self.keys_qu[req], **self.sampling)
             sched.started(adm.members, np.asarray(tok), np.asarray(logp), set(self.params.stop_token_ids))
         if sched.running:
             width = page_bucket(sched.grow(e.chunk_steps))
@@ -320,7 +320,7 @@ class Stream:
                 stats.peak_dense_bytes = max(stats.peak_dense_bytes, held)
             self.pages, self.dense, out = _decode_chunk(
                 e.graphdef, e.state, self.layers, self.pages, dense, table, b["token"], b["pos"], b["n_gen"],
-                b["live"], self.keys_nk[b["request"]], jnp.int32(self.params.max_new_tokens), lora, order,
+                b["live"], self.keys_qu[b["request"]], jnp.int32(self.params.max_new_tokens), lora, order,
                 steps=e.chunk_steps, stops=self.stops, attention=e.attention, widths=widths, **self.sampling)
             out = jax.tree.map(np.asarray, out)
             stats.decode_chunks += 1
@@ -368,11 +368,11 @@ class Stream:
             if fresh:  # in rank blocks (`refresh_dense`), padded with rows past the block (dropped)
                 per = rows // self.engine.ranks
                 at, n = rank_rows([r // per for r in fresh], self.engine.ranks)
-                rows_f = np.full(self.engine.ranks * n, per, np.int32)
-                rows_f[at] = [r % per for r in fresh]
-                table_f = np.full((self.engine.ranks * n, kept), NULL_PAGE, np.int32)
-                table_f[at] = table[fresh]
-                dense = refresh_dense(dense, self.pages, rows_f, table_f)
+                fresh_b = np.full(self.engine.ranks * n, per, np.int32)
+                fresh_b[at] = [r % per for r in fresh]
+                fresh_bw = np.full((self.engine.ranks * n, kept), NULL_PAGE, np.int32)
+                fresh_bw[at] = table[fresh]
+                dense = refresh_dense(dense, self.pages, fresh_b, fresh_bw)
         else:
             dense = None  # freed before its successor is gathered
             fresh = [r for r, q in enumerate(seqs) if q is not None]
@@ -410,50 +410,50 @@ def prefill_chunk(budget: int | None, rows: int, length: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3, static_argnames="attention")
-def _prefill(graphdef, state, layers, pages, tokens_nt, start_n, table_nw, last_n, lora, *, attention="auto"):
-    """Row i's tokens at positions start_n[i] …, attending its pages before them too (a cached prefix);
-    the hidden state at row i's token last_n[i]."""
+def _prefill(graphdef, state, layers, pages, tokens_bt, start_b, table_bw, last_b, lora, *, attention="auto"):
+    """Row i's tokens at positions start_b[i] …, attending its pages before them too (a cached prefix);
+    the hidden state at row i's token last_b[i]."""
     model = nnx.merge(graphdef, state)
-    n, T = tokens_nt.shape
-    positions_nt = start_n[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    h_ntd, pages = model.hidden(tokens_nt, positions_nt, cache=pages, layers=layers,
-                                cache_attention=paged_cache_attention(table_nw, attention), **(lora or {}))
-    return pages, jnp.take_along_axis(h_ntd, last_n[:, None, None], axis=1)[:, 0]
+    n, T = tokens_bt.shape
+    positions_bt = start_b[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    h_bte, pages = model.hidden(tokens_bt, positions_bt, cache=pages, layers=layers,
+                                cache_attention=paged_cache_attention(table_bw, attention), **(lora or {}))
+    return pages, jnp.take_along_axis(h_bte, last_b[:, None, None], axis=1)[:, 0]
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("temperature", "top_p", "top_k"))
-def _first_tokens(graphdef, state, hidden_md, keys_mk, *, temperature, top_p, top_k):
+def _first_tokens(graphdef, state, hidden_be, keys_bu, *, temperature, top_p, top_k):
     model = nnx.merge(graphdef, state)
-    return sharding.replicate(sample_rows(model.logits(hidden_md), keys_mk, jnp.zeros(hidden_md.shape[0], jnp.int32),
+    return sharding.replicate(sample_rows(model.logits(hidden_be), keys_bu, jnp.zeros(hidden_be.shape[0], jnp.int32),
                                           temperature, top_p, top_k))  # the host reads them: on every host
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(3, 4),
                    static_argnames=("steps", "temperature", "top_p", "top_k", "stops", "attention", "widths"))
-def _decode_chunk(graphdef, state, layers, pages, dense, table_sw, token_s, pos_s, n_gen_s, live_s, keys_sk, max_new,
-                  lora, order_s, *, steps, temperature, top_p, top_k, stops, attention="auto", widths=None):
+def _decode_chunk(graphdef, state, layers, pages, dense, table_bw, token_b, pos_b, n_gen_b, live_b, keys_bu, max_new,
+                  lora, order_b, *, steps, temperature, top_p, top_k, stops, attention="auto", widths=None):
     """Up to `steps` decode steps over every slot (fewer when all are done). A slot stops on a stop token
     or at max_new tokens; a done slot keeps rewriting its last position with the token it read there
     (inside its own pages), so it never writes past what the scheduler gave it. `lora`: None, or the
     stream's stacked adapters with the rows of each set ({"lora", "lora_scale", "lora_groups"}). The
     chunk path: with one length group, `dense` (the rows' dense caches, `Stream._dense`; returned
-    updated, for the next chunk); else the groups (`paged_attention.length_groups`: rows `order_s`,
+    updated, for the next chunk); else the groups (`paged_attention.length_groups`: rows `order_b`,
     page-table `widths`) gathered here. Returns (pages, dense, results)."""
     model = nnx.merge(graphdef, state)
-    S = token_s.shape[0]
+    B = token_b.shape[0]
     stop_ids = jnp.asarray(stops, jnp.int32)
     path = resolve_paged_attention(attention)
     chunk = path in CHUNK_PATHS
     if chunk and len(widths) == 1:  # one group, rows in place: `dense`, kept from chunk to chunk
-        rows_g, tables_g, caches = [slice(None)], [table_sw], [[layer] for layer in dense]
+        group_rows, group_tables, caches = [slice(None)], [table_bw], [[layer] for layer in dense]
     elif chunk:
-        n = S // len(widths)
-        rows_g = [order_s[g * n: (g + 1) * n] for g in range(len(widths))]
-        tables_g = [table_sw[rows, :w] for rows, w in zip(rows_g, widths)]
-        caches = [[dense_cache(layer["kv"], table) for table in tables_g] for layer in pages]
+        n = B // len(widths)
+        group_rows = [order_b[g * n: (g + 1) * n] for g in range(len(widths))]
+        group_tables = [table_bw[rows, :w] for rows, w in zip(group_rows, widths)]
+        caches = [[dense_cache(layer["kv"], table) for table in group_tables] for layer in pages]
     if chunk:  # each group's buffer of the chunk's new keys and values, per layer
-        sizes = [S] if len(widths) == 1 else [n] * len(widths)
-        kv = [list(g) for g in zip(*[init_cache(model.config, m, steps, pages[0]["kv"].dtype) for m in sizes])]
+        sizes = [B] if len(widths) == 1 else [n] * len(widths)
+        kv = [list(g) for g in zip(*[init_dense(model.config, m, steps, pages[0]["kv"].dtype) for m in sizes])]
     else:
         kv = pages
 
@@ -462,13 +462,13 @@ def _decode_chunk(graphdef, state, layers, pages, dense, table_sw, token_s, pos_
 
     def body(c):
         if chunk:
-            attend = chunk_cache_attention(rows_g, pos_s, c["i"], kernel=path == "cpu_kernel")
+            attend = chunk_cache_attention(group_rows, pos_b, c["i"], kernel=path == "cpu_kernel")
             cache = [{"dense": d, "new": new} for d, new in zip(caches, c["kv"])]
         else:
-            attend, cache = paged_cache_attention(table_sw, attention), c["kv"]
+            attend, cache = paged_cache_attention(table_bw, attention), c["kv"]
         h, kv = model.hidden(c["token"][:, None], c["pos"][:, None], cache=cache, layers=layers,
                              cache_attention=attend, **(lora or {}))
-        tok, logp = sample_rows(model.logits(h[:, 0]), keys_sk, c["n_gen"], temperature, top_p, top_k)
+        tok, logp = sample_rows(model.logits(h[:, 0]), keys_bu, c["n_gen"], temperature, top_p, top_k)
         active = ~c["done"]
         hit = active & jnp.isin(tok, stop_ids)
         n_gen = c["n_gen"] + active
@@ -479,22 +479,22 @@ def _decode_chunk(graphdef, state, layers, pages, dense, table_sw, token_s, pos_
                 "n_gen": n_gen, "hit": c["hit"] | hit, "done": done,
                 "token": jnp.where(done, c["token"], tok), "pos": c["pos"] + ~done}
 
-    carry = {"i": jnp.int32(0), "kv": kv, "tok": jnp.zeros((S, steps), jnp.int32),
-             "logp": jnp.zeros((S, steps), jnp.float32), "n_gen": n_gen_s, "hit": jnp.zeros(S, bool),
-             "done": ~live_s, "token": token_s, "pos": pos_s}
+    carry = {"i": jnp.int32(0), "kv": kv, "tok": jnp.zeros((B, steps), jnp.int32),
+             "logp": jnp.zeros((B, steps), jnp.float32), "n_gen": n_gen_b, "hit": jnp.zeros(B, bool),
+             "done": ~live_b, "token": token_b, "pos": pos_b}
     c = jax.lax.while_loop(cond, body, carry)
     kv = c.pop("kv")
     dense = None
     if chunk:  # the buffers' writes into the pages (and into `dense`, for the next chunk)
-        last_s = jnp.where(c["done"], c["pos"], c["pos"] - 1)  # a running row's last write: one before its next
+        last_b = jnp.where(c["done"], c["pos"], c["pos"] - 1)  # a running row's last write: one before its next
         new_pages, new_dense = [], []
         for layer, caches_l, kv_l in zip(pages, caches, kv):
             pool = layer["kv"]
-            for rows, table, cache, new in zip(rows_g, tables_g, caches_l, kv_l):
-                k_btkd, v_btkd, at_bt = chunk_writes(new, pos_s[rows], last_s[rows], steps)
+            for rows, table, cache, new in zip(group_rows, group_tables, caches_l, kv_l):
+                k_btkd, v_btkd, at_bt = chunk_writes(new, pos_b[rows], last_b[rows], steps)
                 pool = write_pages(pool, interleave(k_btkd, v_btkd), table, at_bt)
                 if len(widths) == 1:
-                    new_dense.append(write_cache(cache, k_btkd, v_btkd, at_bt))
+                    new_dense.append(write_dense(cache, k_btkd, v_btkd, at_bt))
             new_pages.append({"kv": pool})
         pages, dense = new_pages, new_dense or None
     else:

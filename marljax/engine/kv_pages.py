@@ -59,20 +59,20 @@ def pages_for(positions: int, page_size: int) -> int:
     return -(-positions // page_size)
 
 
-def per_rank(fn, pool_rnpcd, *rows, merge: bool = True):
+def per_rank(fn, pool_amijd, *rows, merge: bool = True):
     """`fn(pool [N, …], *row_args)` for each rank pool and its rows, vmapped over the R ranks: every leaf of
     `rows` splits its leading axis into R equal blocks (block r goes with pool r); with `merge` the
     outputs' leading axes [R, n] are merged back into one. A gather or scatter with the rank as a batch
     dimension: on a mesh whose batch shards hold their own pools and rows, XLA partitions it with no
     communication, where one over the flat page axis (global page ids) is replicated on every chip."""
-    R = pool_rnpcd.shape[0]
+    R = pool_amijd.shape[0]
 
     def split(x):
         if x.shape[0] % R:
             raise ValueError(f"{x.shape[0]} rows cannot be split evenly over {R} rank pools.")
         return x.reshape(R, x.shape[0] // R, *x.shape[1:])
 
-    out = jax.vmap(fn)(pool_rnpcd, *jax.tree.map(split, rows))
+    out = jax.vmap(fn)(pool_amijd, *jax.tree.map(split, rows))
     return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), out) if merge else out
 
 
@@ -81,8 +81,8 @@ def copy_pages(pages: list[dict], src, dst) -> list[dict]:
     """Copy page src[i] onto page dst[i] in every layer, src and dst [R·n] in R blocks of n, block r
     naming pages of pool r (`per_rank`; pad with null-page-onto-itself copies). In place: the pool is
     donated."""
-    def copy(pages_npcd, src, dst):
-        return set_at(pages_npcd, dst, pages_npcd[src])
+    def copy(pages_mijd, src, dst):
+        return set_at(pages_mijd, dst, pages_mijd[src])
     return [{name: per_rank(copy, a, src, dst, merge=False) for name, a in layer.items()} for layer in pages]
 
 

@@ -1,5 +1,5 @@
-"""Attention over KV pages, and the cache hook the decoder calls: a gather path in pure JAX (CPU) and
-the TPU's ragged paged-attention kernel, chosen by backend.
+"""Attention over KV pages, and the cache hook the decoder calls: a gather path in pure JAX, a dense copy
+per decode chunk (CPU) and the TPU's ragged paged-attention kernel, chosen by backend.
 
 `paged_cache_attention(page_table_bw, impl)` is the decoder's `cache_attention` for one forward pass:
 each layer writes its T new keys and values at their positions through the page table, then every query
@@ -14,7 +14,7 @@ attends the keys at positions ≤ its own. `impl` (`PAGED_ATTENTIONS`):
           other backend (see `KERNEL_MODES`). It takes each row's T queries as its last T positions
           (the engine's prefill rows start at 0, its decode rows hold one query): `kernel_cache_attention`
   chunk   decode only (`marljax.engine.engine._decode_chunk`; prefill takes the gather path): the rows'
-          pages are gathered into dense caches (`dense_cache`, the layouts the decoder's cache attention
+          pages are gathered into dense caches (`dense_cache`, the layout `models.attention.attention`
           reads in place), which stay read-only through the chunk: each step writes its keys and values
           into a buffer of the chunk's `steps` columns and attends the dense cache and the buffer as two
           segments (`chunk_cache_attention`); at the end the buffer's writes go into the pages and the
@@ -35,16 +35,9 @@ attends the keys at positions ≤ its own. `impl` (`PAGED_ATTENTIONS`):
           small per-(row, KV head) products far under the memory bandwidth and over the padded width
           (docs/benchmarks.md "CPU decode attention kernel"). On one device only (no mesh of several:
           XLA cannot partition the kernel); built on first use with the host's C++ compiler
-  gpu_kernel  decode rows (one query each; prefill takes the gather path): the body of Pallas' GPU
-          paged-attention kernel (`jax.experimental.pallas.ops.gpu.paged_attention`, Triton; online
-          softmax in float32) in our own `pallas_call`, whose block specs read the keys and values of KV
-          head h as heads 2h and 2h + 1 of the interleaved pool in place: no per-step copy of the pool
-          into the kernel's separate key and value pages (`gpu_kernel_cache_attention`)
-  auto    the kernel when the code is traced for a TPU (`models.attention.target_backend`), cpu_kernel on
-          a CPU (chunk where a mesh spans several devices or the kernel cannot be built), gather
-          elsewhere. A GPU keeps gather until gpu_kernel has run on one: it is checked against the
-          gather path in Pallas' interpreter and lowered through Triton for CUDA on a CPU host
-          (tests/test_engine.py), never compiled to PTX or timed here (no GPU).
+  auto    by the backend the code is traced for (`models.attention.target_backend`): the kernel on a
+          TPU; on a CPU cpu_kernel on one device, chunk where a mesh spans several devices or the kernel
+          cannot be built; gather on a GPU (and any other backend)
 
 Pool layout (`marljax.engine.kv_pages`), per layer {"kv": [R, pages, page_size, 2·kv_heads, head_dim]}:
 R rank pools, keys at the even and values at the odd combined heads (the kernel's layout, which the
@@ -55,7 +48,8 @@ chip holds its rows' pages only, and writes and reads them per shard; R = 1: the
 XLA writes every new key on every chip); heads split over `tensor` when the KV heads divide. The kernel
 runs per shard (`jax.shard_map`: XLA cannot partition a Pallas kernel).
 Shapes: q [B, T, H, Dh]; k, v [B, T, K, Dh]; pool [R, N, page_size, 2K, Dh]; page_table [B, W] int32
-(pool-local page ids); positions [B, T] int32.
+(pool-local page ids); positions [B, T] int32. Suffixes: the legend in marljax/models/decoder.py (a pool
+is `pool_amijd`: ranks, pages, positions within a page, combined KV heads, head dimension).
 """
 from __future__ import annotations
 
@@ -69,12 +63,12 @@ import numpy as np
 from marljax import sharding
 from marljax.engine import cpu_attention
 from marljax.engine.kv_pages import per_rank
-from marljax.models.attention import CACHE_LAYOUT, attention, segmented_attention, target_backend
-from marljax.models.decoder import cache_columns, cache_mask
+from marljax.models.attention import attention, segmented_attention, target_backend
+from marljax.models.decoder import ModelConfig
 from marljax.models.precision import set_at
 from marljax.shapes import page_bucket
 
-PAGED_ATTENTIONS = ("auto", "gather", "chunk", "cpu_kernel", "kernel", "gpu_kernel")
+PAGED_ATTENTIONS = ("auto", "gather", "chunk", "cpu_kernel", "kernel")
 CHUNK_PATHS = ("chunk", "cpu_kernel")  # decode over a dense copy of the rows' pages and a buffer per chunk
 # The kernel's block sizes: KV pages and queries per grid step. Its own table of tuned sizes
 # (`ragged_paged_attention.tuned_block_sizes`) keys on the device it runs on, which a CPU host compiling
@@ -93,7 +87,7 @@ def resolve_paged_attention(name: str, backend: str | None = None) -> str:
     """The path `name` runs as on `backend` (default: the backend being traced for)."""
     if name not in PAGED_ATTENTIONS:
         raise ValueError(f"paged attention {name!r}; choose from {PAGED_ATTENTIONS} (auto: the kernel on a "
-                         "TPU, cpu_kernel on a CPU, gather elsewhere).")
+                         "TPU, cpu_kernel on a CPU, gather on a GPU).")
     several = jax.sharding.get_abstract_mesh().size > 1
     backend = backend or target_backend()
     if name == "cpu_kernel" and (several or backend != "cpu"):
@@ -113,12 +107,12 @@ def interleave(k_btkd, v_btkd):
     return jnp.stack([k_btkd, v_btkd.astype(k_btkd.dtype)], axis=3).reshape(B, T, 2 * K, Dh)
 
 
-def flat_pages(pool_rnpcd, page_table_bw):
+def flat_pages(pool_amijd, page_table_bw):
     """The pool as one page axis [R·N, page_size, 2K, Dh] and the rows' page ids in it [B, W]: for a
     kernel that takes one page axis (run per shard, `per_shard`, where it holds its own pools only)."""
-    R, N = pool_rnpcd.shape[:2]
+    R, N = pool_amijd.shape[:2]
     B = page_table_bw.shape[0]
-    return pool_rnpcd.reshape(R * N, *pool_rnpcd.shape[2:]), page_table_bw + rank_base(jnp.arange(B), B, R, N)[:, None]
+    return pool_amijd.reshape(R * N, *pool_amijd.shape[2:]), page_table_bw + rank_base(jnp.arange(B), B, R, N)[:, None]
 
 
 def rank_base(rows, B: int, R: int, N: int):
@@ -126,27 +120,44 @@ def rank_base(rows, B: int, R: int, N: int):
     return jnp.asarray(rows, jnp.int32) * R // B * N
 
 
-def write_pages(pool_rnpcd, new_btcd, page_table_bw, positions_bt):
-    """`pool` with new_btcd[b, t] written at position positions_bt[b, t] of row b's pages (per rank)."""
-    def write(pages_npcd, new_btcd, table_bw, positions_bt):
-        page_size = pages_npcd.shape[1]
+def write_pages(pool_amijd, new_btjd, page_table_bw, positions_bt):
+    """`pool` with new_btjd[b, t] written at position positions_bt[b, t] of row b's pages (per rank)."""
+    def write(pages_mijd, new_btjd, table_bw, positions_bt):
+        page_size = pages_mijd.shape[1]
         page_bt = jnp.take_along_axis(table_bw, positions_bt // page_size, axis=1)
-        return set_at(pages_npcd, (page_bt, positions_bt % page_size), new_btcd)
-    return per_rank(write, pool_rnpcd, new_btcd, page_table_bw, positions_bt, merge=False)
+        return set_at(pages_mijd, (page_bt, positions_bt % page_size), new_btjd)
+    return per_rank(write, pool_amijd, new_btjd, page_table_bw, positions_bt, merge=False)
 
 
-def dense_cache(pool_rnpcd, page_table_bw):
-    """Rows' pages as one dense cache in the decoder's `CACHE_LAYOUT` ({"k": [B, K, Dh, W·page_size], "v":
-    [B, K, W·page_size, Dh]}, the forms `marljax.models.attention.attention` reads in place): column =
-    position, as in the pages."""
-    return per_rank(_dense, pool_rnpcd, page_table_bw)
+# ---- the chunk path's dense caches: per layer {"k": [B, K, Dh, S], "v": [B, K, S, Dh]}, the forms
+# `marljax.models.attention.attention` reads in place; column = position, as in the pages
+def dense_cache(pool_amijd, page_table_bw):
+    """Rows' pages as one dense cache of W·page_size columns."""
+    return per_rank(_dense, pool_amijd, page_table_bw)
 
 
-def _dense(pages_npcd, table_bw):
+def _dense(pages_mijd, table_bw):
     B, W = table_bw.shape
-    page_size, C, Dh = pages_npcd.shape[1:]
-    kv_bskd = pages_npcd[table_bw].reshape(B, W * page_size, C // 2, 2, Dh)
-    return {"k": kv_bskd[:, :, :, 0].transpose(0, 2, 3, 1), "v": kv_bskd[:, :, :, 1].transpose(0, 2, 1, 3)}
+    page_size, J, Dh = pages_mijd.shape[1:]
+    kv_bsjd = pages_mijd[table_bw].reshape(B, W * page_size, J, Dh)
+    return {"k": kv_bsjd[:, :, 0::2].transpose(0, 2, 3, 1), "v": kv_bsjd[:, :, 1::2].transpose(0, 2, 1, 3)}
+
+
+def init_dense(config: ModelConfig, rows: int, columns: int, dtype) -> list[dict]:
+    """Zeroed dense caches of `rows` rows and `columns` columns for every layer (a decode chunk's buffers of
+    its new keys and values, `chunk_cache_attention`); sharded on a mesh."""
+    B, K, Dh, S = rows, config.num_kv_heads, config.head_dim, columns
+    return [{"k": sharding.constrain(jnp.zeros((B, K, Dh, S), dtype), ("batch", "act_kv_heads", "head_dim", "length")),
+             "v": sharding.constrain(jnp.zeros((B, K, S, Dh), dtype), ("batch", "act_kv_heads", "length", "head_dim"))}
+            for _ in range(config.num_layers)]
+
+
+def write_dense(kv, k_btkd, v_btkd, positions_bt):
+    """The dense cache `kv` with row b's new keys and values at its columns positions_bt[b] (a scatter, in
+    place under jit)."""
+    rows_bt = jnp.broadcast_to(jnp.arange(positions_bt.shape[0])[:, None], positions_bt.shape)
+    return {"k": set_at(kv["k"], (rows_bt, slice(None), slice(None), positions_bt), k_btkd),
+            "v": set_at(kv["v"], (rows_bt, slice(None), positions_bt), v_btkd)}
 
 
 @jax.jit
@@ -156,16 +167,16 @@ def gather_dense(pages, page_table_bw):
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def refresh_dense(dense, pages, rows_f, table_fw):
+def refresh_dense(dense, pages, rows_b, table_bw):
     """The chunk path's dense caches of a decode chunk's B rows (R rank blocks; one cache per layer,
-    `dense_cache`) with some rows gathered again from their pages: rows_f [R·n] and table_fw [R·n, W]
+    `dense_cache`) with some rows gathered again from their pages: rows_b [R·n] and table_bw [R·n, W]
     in R blocks of n, block r naming rows of rank block r (block-local; ≥ B / R: padding, dropped) and
     their page ids in pool r. A chunk whose other rows hold the sequences they held in the chunk before
     reads what they wrote there. In place (`dense` is donated), per rank (`per_rank`)."""
-    def refresh(pages_npcd, old, rows_f, table_fw):
-        fresh = _dense(pages_npcd, table_fw)
-        return {name: set_at(old[name], rows_f, fresh[name], mode="drop") for name in old}
-    return [per_rank(refresh, layer["kv"], old, rows_f, table_fw) for old, layer in zip(dense, pages)]
+    def refresh(pages_mijd, old, rows_b, table_bw):
+        fresh = _dense(pages_mijd, table_bw)
+        return {name: set_at(old[name], rows_b, fresh[name], mode="drop") for name in old}
+    return [per_rank(refresh, layer["kv"], old, rows_b, table_bw) for old, layer in zip(dense, pages)]
 
 
 def chunk_writes(new, first_b, last_b, steps: int):
@@ -180,12 +191,12 @@ def chunk_writes(new, first_b, last_b, steps: int):
     return k_btkd, v_btkd, first_b[:, None] + cols_bt
 
 
-def chunk_cache_attention(rows_g, first_s, step, kernel: bool = False):
+def chunk_cache_attention(group_rows, first_b, step, kernel: bool = False):
     """The decoder's `cache_attention` hook for step `step` of a decode chunk over each layer's
-    {"dense": the groups' dense caches, "new": the groups' buffers}: group g (rows rows_g[g], in order
+    {"dense": the groups' dense caches, "new": the groups' buffers}: group g (rows group_rows[g], in order
     when they are a permutation, `length_groups`) writes its rows' new keys and values at column `step`
-    of its buffer ({"k": [n, K, Dh, steps], "v": [n, K, steps, Dh]}, `init_cache`'s layout) and attends
-    its dense cache's columns before each row's first position of the chunk (`first_s`) and the buffer's
+    of its buffer ({"k": [n, K, Dh, steps], "v": [n, K, steps, Dh]}, `init_dense`) and attends
+    its dense cache's columns before each row's first position of the chunk (`first_b`) and the buffer's
     columns ≤ step, as two segments (`segmented_attention`). The dense caches stay read-only during the
     chunk: a step writes B × K × Dh numbers at one column of a small buffer, not a scatter into each
     layer's whole cache, which in bfloat16 XLA CPU ran through a copy of the cache per layer and step
@@ -193,29 +204,29 @@ def chunk_cache_attention(rows_g, first_s, step, kernel: bool = False):
     engine (SmolLM2-135M, GSM8K 8 × 8, CPU)", session 26). `kernel`: the two segments through the CPU
     kernel (`cpu_attention.segmented_decode_attention`, each row's real columns only) instead of XLA's
     masked dense form."""
-    inverse_s = None if isinstance(rows_g[0], slice) else jnp.argsort(jnp.concatenate(rows_g))
+    inverse_b = None if isinstance(group_rows[0], slice) else jnp.argsort(jnp.concatenate(group_rows))
 
     def hook(q_bthd, k_btkd, v_btkd, kv, positions_bt):
         outs, written = [], []
-        for rows, cache, new in zip(rows_g, kv["dense"], kv["new"]):
+        for rows, cache, new in zip(group_rows, kv["dense"], kv["new"]):
             dt = new["k"].dtype
             new = {"k": jax.lax.dynamic_update_slice(new["k"], k_btkd[rows].transpose(0, 2, 3, 1).astype(dt),
                                                      (0, 0, 0, step)),
                    "v": jax.lax.dynamic_update_slice(new["v"], v_btkd[rows].transpose(0, 2, 1, 3).astype(dt),
                                                      (0, 0, step, 0))}
-            first_b = first_s[rows]
-            n, steps = first_b.shape[0], new["v"].shape[2]
+            start_b = first_b[rows]
+            n, steps = start_b.shape[0], new["v"].shape[2]
             if kernel:
                 upto = jnp.full((n,), step + 1, jnp.int32)
                 outs.append(cpu_attention.segmented_decode_attention(
-                    q_bthd[rows], [(cache["k"], cache["v"], first_b), (new["k"], new["v"], upto)]))
+                    q_bthd[rows], [(cache["k"], cache["v"], start_b), (new["k"], new["v"], upto)]))
             else:
-                before = jnp.arange(cache_columns(cache), dtype=jnp.int32)[None, None, :] < first_b[:, None, None]
+                before = jnp.arange(cache["v"].shape[2], dtype=jnp.int32)[None, None, :] < start_b[:, None, None]
                 upto = jnp.broadcast_to(jnp.arange(steps, dtype=jnp.int32)[None, None, :] <= step, (n, 1, steps))
                 outs.append(segmented_attention(q_bthd[rows], [(cache["k"], cache["v"], before),
                                                                (new["k"], new["v"], upto)]))
             written.append(new)
-        out = outs[0] if inverse_s is None else jnp.concatenate(outs)[inverse_s]
+        out = outs[0] if inverse_b is None else jnp.concatenate(outs)[inverse_b]
         return out, {"dense": kv["dense"], "new": written}
     return hook
 
@@ -225,85 +236,86 @@ def chunk_cache_attention(rows_g, first_s, step, kernel: bool = False):
 LENGTH_GROUP_ROWS = 8
 
 
-def length_groups(held_r, ranks: int, most: int) -> tuple[np.ndarray, tuple[int, ...]]:
+def length_groups(held_b, ranks: int, most: int) -> tuple[np.ndarray, tuple[int, ...]]:
     """A decode chunk's rows (R rank blocks, `scheduler.batch`) in G groups by length: each rank block's
-    rows sorted by the pages they hold (`held_r`) and cut into G equal parts, group g taking part g of
+    rows sorted by the pages they hold (`held_b`) and cut into G equal parts, group g taking part g of
     every block, rank-major (so its rows split evenly over the rank pools in order, as `kv_pages.per_rank`
     reads them). G: the largest power of two ≤ `most` that divides a block into parts of at least
     `LENGTH_GROUP_ROWS` rows (else 1: the rows in place). Returns the order (group g's rows are order[g·n:(g+1)·n]) and each
     group's page-table width (`page_bucket` of its rows' most pages)."""
-    held_r = np.asarray(held_r)
-    per_rank = len(held_r) // ranks
+    held_b = np.asarray(held_b)
+    per_rank = len(held_b) // ranks
     G = 1
     while 2 * G <= most and per_rank % (2 * G) == 0 and per_rank // (2 * G) >= LENGTH_GROUP_ROWS:
         G *= 2
     if G == 1:  # rows in place: the decoder's own dense attention (`_decode_chunk`)
-        return np.arange(len(held_r), dtype=np.int32), (page_bucket(max(1, int(held_r.max(initial=0)))),)
+        return np.arange(len(held_b), dtype=np.int32), (page_bucket(max(1, int(held_b.max(initial=0)))),)
     m = per_rank // G
-    blocks = [r * per_rank + np.argsort(held_r[r * per_rank: (r + 1) * per_rank], kind="stable") for r in range(ranks)]
+    blocks = [r * per_rank + np.argsort(held_b[r * per_rank: (r + 1) * per_rank], kind="stable") for r in range(ranks)]
     order = np.concatenate([b[g * m: (g + 1) * m] for g in range(G) for b in blocks]).astype(np.int32)
     n = ranks * m
-    widths = tuple(page_bucket(max(1, int(held_r[order[g * n: (g + 1) * n]].max()))) for g in range(G))
+    widths = tuple(page_bucket(max(1, int(held_b[order[g * n: (g + 1) * n]].max()))) for g in range(G))
     return order, widths
 
 
-def gather_attention(q_bthd, pool_rnpcd, page_table_bw, positions_bt):
+def gather_attention(q_bthd, pool_amijd, page_table_bw, positions_bt):
     """Grouped-query attention of each query over its row's keys at positions ≤ its own (gathered, per
     rank: `per_rank`)."""
-    return per_rank(lambda pages_npcd, q_bthd, table_bw, positions_bt: _gathered(q_bthd, pages_npcd, table_bw,
+    return per_rank(lambda pages_mijd, q_bthd, table_bw, positions_bt: _gathered(q_bthd, pages_mijd, table_bw,
                                                                                 positions_bt),
-                    pool_rnpcd, q_bthd, page_table_bw, positions_bt)
+                    pool_amijd, q_bthd, page_table_bw, positions_bt)
 
 
-def _gathered(q_bthd, pages_npcd, table_bw, positions_bt):
+def _gathered(q_bthd, pages_mijd, table_bw, positions_bt):
     B, W = table_bw.shape
-    page_size, C, Dh = pages_npcd.shape[1:]
+    page_size, J, Dh = pages_mijd.shape[1:]
     S = W * page_size
-    kv_bscd = pages_npcd[table_bw].reshape(B, S, C, Dh)
-    k_bkds = kv_bscd[:, :, 0::2].transpose(0, 2, 3, 1)
-    v_bksd = kv_bscd[:, :, 1::2].transpose(0, 2, 1, 3)
-    return attention(q_bthd, k_bkds, v_bksd, cache_mask(S, positions_bt), CACHE_LAYOUT)
+    kv_bsjd = pages_mijd[table_bw].reshape(B, S, J, Dh)
+    k_bkds = kv_bsjd[:, :, 0::2].transpose(0, 2, 3, 1)
+    v_bksd = kv_bsjd[:, :, 1::2].transpose(0, 2, 1, 3)
+    mask_bts = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= positions_bt[:, :, None]  # column = position
+    return attention(q_bthd, k_bkds, v_bksd, mask_bts)
 
 
-def kernel_cache_attention(q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt, *, mode: str | None = None):
+def kernel_cache_attention(q_bthd, new_btjd, pool_amijd, page_table_bw, positions_bt, *, mode: str | None = None):
     """Write the new keys and values into the pool, then the ragged paged-attention kernel over rows
     whose T queries are their last T positions (row b attends its first positions_bt[b, −1] + 1 keys,
     query t the keys up to its own position); per shard on a mesh. `mode`: `KERNEL_MODES` (default:
     mosaic when tracing for a TPU, else interpret). Returns (attention [B, T, H, Dh], the pool)."""
-    return per_shard(functools.partial(_kernel, mode=_kernel_mode(mode)), q_bthd, new_btcd, pool_rnpcd,
+    return per_shard(functools.partial(_kernel, mode=_kernel_mode(mode)), q_bthd, new_btjd, pool_amijd,
                      page_table_bw, positions_bt)
 
 
-def per_shard(attend, q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt):
+def per_shard(attend, q_bthd, new_btjd, pool_amijd, page_table_bw, positions_bt):
     """Write, then `attend(q, pages [R·N, …], page ids [B, W], positions)` once per shard on a mesh, rows
     split like the batch: (attention, pool). Rank pools (R > 1) must split over the mesh as the rows do:
     each shard writes and reads its own pool. One pool (R = 1) is replicated: XLA writes every new key
     on every chip (a partitioned scatter) before the shards read it."""
     heads = "act_kv_heads"
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and "tensor" in mesh.axis_names and (pool_rnpcd.shape[3] // 2) % mesh.shape["tensor"]:
+    if not mesh.empty and "tensor" in mesh.axis_names and (pool_amijd.shape[3] // 2) % mesh.shape["tensor"]:
         heads = None  # fewer KV heads than tensor ranks: every shard takes all heads
     q_axes = ("batch", "length", None if heads is None else "act_heads", "head_dim")
     pool_axes = ("batch", None, None, heads, "head_dim")
-    R, B = pool_rnpcd.shape[0], q_bthd.shape[0]
+    R, B = pool_amijd.shape[0], q_bthd.shape[0]
 
-    def read(q_bthd, pool_rnpcd, page_table_bw, positions_bt):
-        return attend(q_bthd, *flat_pages(pool_rnpcd, page_table_bw), positions_bt)
+    def read(q_bthd, pool_amijd, page_table_bw, positions_bt):
+        return attend(q_bthd, *flat_pages(pool_amijd, page_table_bw), positions_bt)
 
-    def write_read(q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt):
-        if pool_rnpcd.shape[0] * B != R * q_bthd.shape[0]:
+    def write_read(q_bthd, new_btjd, pool_amijd, page_table_bw, positions_bt):
+        if pool_amijd.shape[0] * B != R * q_bthd.shape[0]:
             raise ValueError(f"{R} rank pools on a mesh must split like the {B} rows (per shard: "
-                             f"{pool_rnpcd.shape[0]} pools, {q_bthd.shape[0]} rows).")
-        pool_rnpcd = write_pages(pool_rnpcd, new_btcd, page_table_bw, positions_bt)
-        return read(q_bthd, pool_rnpcd, page_table_bw, positions_bt), pool_rnpcd
+                             f"{pool_amijd.shape[0]} pools, {q_bthd.shape[0]} rows).")
+        pool_amijd = write_pages(pool_amijd, new_btjd, page_table_bw, positions_bt)
+        return read(q_bthd, pool_amijd, page_table_bw, positions_bt), pool_amijd
 
     if R == 1:
-        pool_rnpcd = write_pages(pool_rnpcd, new_btcd, page_table_bw, positions_bt)
+        pool_amijd = write_pages(pool_amijd, new_btjd, page_table_bw, positions_bt)
         return sharding.shard_map_logical(
-            read, (q_bthd, pool_rnpcd, page_table_bw, positions_bt),
-            (q_axes, pool_axes, ("batch", None), ("batch", "length")), q_axes), pool_rnpcd
+            read, (q_bthd, pool_amijd, page_table_bw, positions_bt),
+            (q_axes, pool_axes, ("batch", None), ("batch", "length")), q_axes), pool_amijd
     return sharding.shard_map_logical(
-        write_read, (q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt),
+        write_read, (q_bthd, new_btjd, pool_amijd, page_table_bw, positions_bt),
         (q_axes, ("batch", "length", heads, "head_dim"), pool_axes, ("batch", None), ("batch", "length")),
         (q_axes, pool_axes), out_like=(0, 2))
 
@@ -315,13 +327,13 @@ def _kernel_mode(mode: str | None) -> str:
     return mode
 
 
-def _kernel(q_bthd, pages_npcd, page_table_bw, positions_bt, *, mode: str):
+def _kernel(q_bthd, pages_mijd, page_table_bw, positions_bt, *, mode: str):
     from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as ragged
 
     B, T, H, Dh = q_bthd.shape
     W = page_table_bw.shape[1]
-    args = (q_bthd.reshape(B * T, H, Dh), pages_npcd, positions_bt[:, -1] + 1, page_table_bw,
+    args = (q_bthd.reshape(B * T, H, Dh), pages_mijd, positions_bt[:, -1] + 1, page_table_bw,
             jnp.arange(B + 1, dtype=jnp.int32) * T, jnp.full((1,), B, jnp.int32))
     if mode == "reference":
         out = ragged.ref_ragged_paged_attention(*args, sm_scale=Dh ** -0.5)
@@ -334,74 +346,17 @@ def _kernel(q_bthd, pages_npcd, page_table_bw, positions_bt, *, mode: str):
     return out.reshape(B, T, H, Dh)
 
 
-# The GPU kernel's pages per inner step (its `pages_per_compute_block`; 16-position pages: 128 keys, the
-# block jax's own wrapper uses by default) and its Triton launch settings (jax's defaults).
-GPU_KV_PAGES, GPU_WARPS, GPU_STAGES = 8, 8, 2
-
-
-def gpu_kernel_cache_attention(q_bthd, new_btcd, pool_rnpcd, page_table_bw, positions_bt, *,
-                               interpret: bool | None = None):
-    """Write the new keys and values into the pool, then the GPU paged-attention kernel over decode rows
-    (T = 1; row b attends its first positions_bt[b, 0] + 1 keys); per shard on a mesh. `interpret`
-    (default: unless tracing for a GPU) runs the kernel in Pallas' interpreter. Returns (attention
-    [B, 1, H, Dh], the pool)."""
-    if q_bthd.shape[1] != 1:
-        raise ValueError(f"the GPU paged-attention kernel takes one query per row (decode), got {q_bthd.shape[1]}.")
-    interpret = target_backend() != "gpu" if interpret is None else interpret
-    return per_shard(functools.partial(_gpu_kernel, interpret=interpret), q_bthd, new_btcd, pool_rnpcd,
-                     page_table_bw, positions_bt)
-
-
-def _gpu_kernel(q_bthd, pages_npcd, page_table_bw, positions_bt, *, interpret: bool):
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
-    from jax.experimental.pallas.ops.gpu import paged_attention as gpu
-
-    B, _, H, Dh = q_bthd.shape
-    N, ps, C, _ = pages_npcd.shape
-    K, W = C // 2, page_table_bw.shape[1]
-    G, Gp = H // K, -(-(H // K) // 16) * 16  # queries per KV head; padded: Triton's dot takes ≥ 16 rows
-    per_block = min(GPU_KV_PAGES, 1 << (W - 1).bit_length())  # Triton's tensors: powers of two
-    table_bw = jnp.pad(page_table_bw, ((0, 0), (0, -W % per_block)))  # the null page; masked by length
-    # the kernel does not scale: the queries come scaled (float32, then the pages' dtype for its dot)
-    q_bkgd = (q_bthd[:, 0].astype(jnp.float32) * Dh ** -0.5).reshape(B, K, G, Dh)
-    q_bkgd = jnp.pad(q_bkgd, ((0, 0), (0, 0), (0, Gp - G), (0, 0))).astype(pages_npcd.dtype)
-    kernel = functools.partial(gpu.paged_attention_kernel, num_heads=G, pages_per_compute_block=per_block,
-                               mask_value=gpu.DEFAULT_MASK_VALUE, attn_logits_soft_cap=None)
-    pages_spec = [pl.BlockSpec((N, ps, None, Dh), lambda h, i, k, c=c: (0, 0, 2 * h + c, 0)) for c in (0, 1)]
-    per_head = pl.BlockSpec((None, Gp), lambda h, i, k: (h, 0))
-    call = pl.pallas_call(
-        kernel, grid=(K, 1, 1),
-        in_specs=[pl.BlockSpec((None, Gp, Dh), lambda h, i, k: (h, 0, 0)), pages_spec[0], None, pages_spec[1],
-                  None, pl.BlockSpec((table_bw.shape[1],), lambda h, i, k: (0,)),
-                  pl.BlockSpec((1,), lambda h, i, k: (0,))],
-        out_specs=[pl.BlockSpec((None, Gp, Dh), lambda h, i, k: (h, 0, 0)), per_head, per_head],
-        out_shape=[jax.ShapeDtypeStruct((K, Gp, Dh), jnp.float32), jax.ShapeDtypeStruct((K, Gp), jnp.float32),
-                   jax.ShapeDtypeStruct((K, Gp), jnp.float32)],
-        interpret=interpret, compiler_params=plgpu.CompilerParams(num_warps=GPU_WARPS, num_stages=GPU_STAGES),
-        name="marljax_paged_decode")
-
-    def row(q_kgd, table_w, length):
-        o_kgd, l_kg, _ = call(q_kgd, pages_npcd, None, pages_npcd, None, table_w, length[None])
-        return o_kgd[:, :G] / l_kg[:, :G, None]  # the kernel leaves the softmax's sum to its caller
-
-    out_bkgd = jax.vmap(row)(q_bkgd, table_bw, positions_bt[:, 0] + 1)
-    return out_bkgd.reshape(B, 1, H, Dh).astype(q_bthd.dtype)
-
-
 def paged_cache_attention(page_table_bw, impl: str = "auto"):
     """The decoder's `cache_attention` hook over one layer's pool {"kv"} (see the module docstring; chunk
     reads through gather here)."""
     impl = resolve_paged_attention(impl)
 
     def hook(q_bthd, k_btkd, v_btkd, kv, positions_bt):
-        new_btcd = interleave(k_btkd, v_btkd)
+        new_btjd = interleave(k_btkd, v_btkd)
         if impl == "kernel":
-            attn, pool = kernel_cache_attention(q_bthd, new_btcd, kv["kv"], page_table_bw, positions_bt)
-        elif impl == "gpu_kernel" and q_bthd.shape[1] == 1:
-            attn, pool = gpu_kernel_cache_attention(q_bthd, new_btcd, kv["kv"], page_table_bw, positions_bt)
+            attn, pool = kernel_cache_attention(q_bthd, new_btjd, kv["kv"], page_table_bw, positions_bt)
         else:
-            pool = write_pages(kv["kv"], new_btcd, page_table_bw, positions_bt)
+            pool = write_pages(kv["kv"], new_btjd, page_table_bw, positions_bt)
             attn = gather_attention(q_bthd, pool, page_table_bw, positions_bt)
         return attn, {"kv": pool}
     return hook

@@ -426,16 +426,16 @@ class Scheduler:
             out["request"][r], out["live"][r], out["held"][r] = q.request, True, len(q.pages)
         return out
 
-    def advance(self, tok_rk, logp_rk, n_gen_r, token_r, pos_r, hit_r, done_r) -> None:
+    def advance(self, tok_bc, logp_bc, n_gen_b, token_b, pos_b, hit_b, done_b) -> None:
         """Take a decode chunk's results (rows as the last `batch` laid them out); finished sequences free
         their slots and pages."""
         for r, s in self.rows:
             q = self.slots[s]
-            new = int(n_gen_r[r]) - q.n_gen
-            self.tokens[q.request] += tok_rk[r, :new].tolist()
-            self.logprobs[q.request] += logp_rk[r, :new].tolist()
-            q.n_gen, q.token, q.pos = int(n_gen_r[r]), int(token_r[r]), int(pos_r[r])
-            self.hit[q.request] = bool(hit_r[r])
-            if done_r[r]:
+            new = int(n_gen_b[r]) - q.n_gen
+            self.tokens[q.request] += tok_bc[r, :new].tolist()
+            self.logprobs[q.request] += logp_bc[r, :new].tolist()
+            q.n_gen, q.token, q.pos = int(n_gen_b[r]), int(token_b[r]), int(pos_b[r])
+            self.hit[q.request] = bool(hit_b[r])
+            if done_b[r]:
                 self._finish(s)
         self.rows = []

@@ -2,9 +2,9 @@
 materialise T×T scores.
 
 `causal_attention` is the one entry, chosen by `ATTENTIONS` name:
-  dense      `attention` in its "keys_ds" layout over a [B, T, T] mask (the CPU's fastest at short T;
-             its float32 scores and probabilities are B·H·T² each); `attention` over the dense KV
-             cache (`CACHE_LAYOUT`) is also the decoder's cached (sampling) attention
+  dense      `attention` (keys [B, K, D, S], values [B, K, S, D]) over a [B, T, T] mask (the CPU's fastest
+             at short T; its float32 scores and probabilities are B·H·T² each); the rollout engine reads
+             its pages through the same `attention` (`marljax.engine.paged_attention`)
   blockwise  query-chunk × key-chunk online softmax (flash-style) in pure JAX, with a custom VJP that
              recomputes the scores chunk by chunk: memory linear in T, forward and backward; chunk
              pairs with no visible key are skipped (the causal upper half)
@@ -70,8 +70,7 @@ def causal_attention(q_bthd, k_btkd, v_btkd, positions_bt, kv_mask_bt, impl: str
         mask_btt = positions_bt[:, None, :] <= positions_bt[:, :, None]
         if kv_mask_bt is not None:
             mask_btt = mask_btt & kv_mask_bt[:, None, :]
-        return attention(q_bthd, k_btkd.transpose(0, 2, 3, 1), v_btkd.transpose(0, 2, 1, 3), mask_btt,
-                         "keys_ds")
+        return attention(q_bthd, k_btkd.transpose(0, 2, 3, 1), v_btkd.transpose(0, 2, 1, 3), mask_btt)
     if impl == "blockwise":
         kv_mask_bt = jnp.ones(positions_bt.shape, bool) if kv_mask_bt is None else kv_mask_bt
         return blockwise_attention(q_bthd, k_btkd, v_btkd, positions_bt, kv_mask_bt)
@@ -84,55 +83,40 @@ def causal_attention(q_bthd, k_btkd, v_btkd, positions_bt, kv_mask_bt, impl: str
 
 
 # ---- dense -------------------------------------------------------------------------------------
-# Per kv layout (named after the keys' last two axes), the two batched matmuls of `attention`:
-# "keys_ds" (keys [B, K, D, S], values [B, K, S, D]): each (b, k) is one [G·T, D] @ [D, S] and one
-#   [G·T, S] @ [S, D] matmul, the forms XLA CPU runs fastest, in the uncached pass (0.94 vs 1.0 of the LoRA
-#   step time with remat=full) and in decode (T = 1: 30 layers at 128 rows × 432 columns, 171 vs 282 ms per
-#   step; docs/benchmarks.md "Decode KV layout"), so also the dense KV cache's layout (`CACHE_LAYOUT`);
-# "keys_sd" (keys [B, K, S, D], values [B, K, D, S]): the KV cache's layout before 2026-12-06 (the static
-#   sampler of the rollout engine's issue start, a contender in bench/rollout.py).
-ATTENTION_LAYOUTS = {
-    "keys_sd": ("btkgd,bksd->bkgts", "bkgts,bkds->btkgd"),
-    "keys_ds": ("bkgtd,bkds->bkgts", "bkgts,bksd->bkgtd"),
-}
-CACHE_LAYOUT = "keys_ds"
+# Keys [B, K, D, S] and values [B, K, S, D] (the dense kernel's one layout): each (b, k) is one
+# [G·T, D] @ [D, S] and one [G·T, S] @ [S, D] matmul, the forms XLA CPU runs fastest, in the uncached pass
+# (0.94 vs 1.0 of the LoRA step time with remat=full against keys [B, K, S, D]) and in decode (T = 1: 30
+# layers at 128 rows × 432 columns, 171 vs 282 ms per step; docs/benchmarks.md "Decode KV layout").
+SCORES_SPEC, OUT_SPEC = "bkgtd,bkds->bkgts", "bkgts,bksd->bkgtd"
 
 
-def attention(q_bthd, k, v, mask_bts, layout: str = CACHE_LAYOUT):
-    """Grouped-query softmax attention with a boolean mask; softmax in float32.
-
-    `layout` names the key/value layouts (see `ATTENTION_LAYOUTS`); both give the same numbers.
-    """
-    return segmented_attention(q_bthd, [(k, v, mask_bts)], layout)
+def attention(q_bthd, k_bkds, v_bksd, mask_bts):
+    """Grouped-query softmax attention with a boolean mask; softmax in float32."""
+    return segmented_attention(q_bthd, [(k_bkds, v_bksd, mask_bts)])
 
 
-def segmented_attention(q_bthd, segments, layout: str = CACHE_LAYOUT):
-    """`attention` over key/value segments [(k, v, mask_bts), …] (each in `layout`, with its own mask and
-    length) as if concatenated along their positions, without concatenating them: one softmax over all
-    the segments' scores, the value products summed. The rollout engine's decode chunk attends a
-    read-only dense cache and the chunk's own new keys as two segments, so a step writes a small buffer,
-    not the cache (`marljax.engine.paged_attention.chunk_cache_attention`)."""
+def segmented_attention(q_bthd, segments):
+    """`attention` over key/value segments [(k [B, K, D, S], v [B, K, S, D], mask_bts), …] (each with its
+    own mask and length S) as if concatenated along their positions, without concatenating them: one
+    softmax over all the segments' scores, the value products summed. The rollout engine's decode chunk
+    attends a read-only dense cache and the chunk's own new keys as two segments, so a step writes a small
+    buffer, not the cache (`marljax.engine.paged_attention.chunk_cache_attention`)."""
     B, T, H, D = q_bthd.shape
     K = segments[0][0].shape[1]
-    scores_spec, out_spec = ATTENTION_LAYOUTS[layout]
-    q = q_bthd.reshape(B, T, K, H // K, D)
-    if layout == "keys_ds":
-        q = q.transpose(0, 2, 3, 1, 4)
+    q = q_bthd.reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)
     scores = []
     for k, _, mask_bts in segments:
-        s = dot_f32(scores_spec, q, k) * (D ** -0.5)  # float32; its backward in the compute dtype
+        s = dot_f32(SCORES_SPEC, q, k) * (D ** -0.5)  # float32; its backward in the compute dtype
         # A finite floor (not -inf) keeps fully masked padding rows NaN-free in value and gradient.
         scores.append(jnp.where(mask_bts[:, None, None], s, jnp.finfo(jnp.float32).min))
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0], axis=-1)
     ends = np.cumsum([s.shape[-1] for s in scores])
     out = None
     for (_, v, _), start, end in zip(segments, [0, *ends[:-1]], ends):
-        o = dot_f32(out_spec, probs[..., start:end].astype(v.dtype), v)
+        o = dot_f32(OUT_SPEC, probs[..., start:end].astype(v.dtype), v)
         out = o if out is None else out + o
     out = out.astype(segments[0][1].dtype)  # rounded once (models/precision.py)
-    if layout == "keys_ds":
-        out = out.transpose(0, 3, 1, 2, 4)
-    return out.reshape(B, T, H, D)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
 # ---- cuDNN (GPU) -------------------------------------------------------------------------------

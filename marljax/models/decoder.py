@@ -6,18 +6,20 @@ that `marljax.sharding` maps onto a device mesh; activations are constrained by 
 (`marljax.sharding.constrain`, a no-op without a mesh).
 
 The forward pass optionally takes LoRA adapters as a plain pytree (`lora`), so one frozen base serves
-any number of adapter sets (one per parameter set of the role map), and a KV cache for sampling; with a
+any number of adapter sets (one per parameter set of the role map), and, for sampling, a KV cache with the
+hook that reads and writes it (the rollout engine's pages, `marljax.engine.paged_attention`); with a
 cache, one batch may mix the sets, each row applying its own (`hidden`'s `lora_groups`).
 
 Shape suffixes, the one legend of the package: an array's name ends in one lower-case letter per axis,
 in order (`q_bthd` is [B, T, H, D]); docstrings and comments write the same letters upper-case. The
 model letters are the initials of the logical axis names in `marljax.sharding`.
-  b  batch rows (sequences, samples; the trainer's rows too)
+  b  batch rows (sequences, samples; the trainer's rows, the rollout engine's prefill and decode rows)
   t  positions of a sequence (the token axis; the queries in attention)
   s  key positions attended to: the KV cache's columns (in the uncached pass the keys are the t axis)
   p  prompt positions (the sampler's right-padded prompt block)
   r  response positions (the response window of a sequence)
-  c  positions within one chunk;  n  chunks
+  c  positions within one chunk (a decode chunk's steps; entries within a block of the vocabulary)
+  n  chunks (of positions; blocks of the vocabulary)
   e  embed: the model dimension (`hidden_size`)
   h  query heads;  k  KV heads;  g  query heads per KV head (H = K·G)
   d  head dimension (`head_dim`)
@@ -25,11 +27,18 @@ model letters are the initials of the logical axis names in `marljax.sharding`.
   v  vocabulary
   l  layers (the stacked leading axis of parameters and adapters)
   1  an axis of size one
+The rollout engine's KV pages and requests (`marljax.engine`):
+  a  data-parallel ranks (one page pool each)
+  m  pages of a pool
+  i  positions within one page (`page_size`)
+  j  a page's combined KV heads, 2·K: keys at the even, values at the odd
+  w  pages of a row's page table (its width)
+  q  requests, in submission order
+  u  words of a raw PRNG key (`jax.random.key_data`)
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +46,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from marljax import sharding
-from marljax.models.attention import ATTENTION_LAYOUTS, CACHE_LAYOUT, attention, causal_attention, resolve_attention
-from marljax.models.precision import check_dtype, dot_f32, set_at
+from marljax.models.attention import causal_attention, resolve_attention
+from marljax.models.precision import check_dtype, dot_f32
 
 # Linear maps of one layer: name -> (input logical axes, output logical axes).
 LINEAR_AXES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -244,13 +253,10 @@ class Decoder(nnx.Module):
             self.lm_head = param((c.hidden_size, c.vocab_size), ("embed", "vocab"))
 
     # ---- forward -------------------------------------------------------------------------------
-    def __call__(self, tokens_bt, positions_bt=None, *, cache=None, lora=None, lora_scale=1.0,
-                 kv_mask_bs=None):
-        """Logits for every position. With `cache`, returns (logits, new_cache)."""
-        h, new_cache = self.hidden(tokens_bt, positions_bt, cache=cache, lora=lora,
-                                   lora_scale=lora_scale, kv_mask_bs=kv_mask_bs)
-        logits = self.logits(h)
-        return logits if cache is None else (logits, new_cache)
+    def __call__(self, tokens_bt, positions_bt=None, *, lora=None, lora_scale=1.0, kv_mask_bs=None):
+        """Logits [B, T, V] of the uncached pass (`hidden`)."""
+        h, _ = self.hidden(tokens_bt, positions_bt, lora=lora, lora_scale=lora_scale, kv_mask_bs=kv_mask_bs)
+        return self.logits(h)
 
     def logits(self, h_bte):
         """Final norm + (tied) output projection, float32 logits (float32 accumulation)."""
@@ -262,23 +268,22 @@ class Decoder(nnx.Module):
             logits = dot_f32("...e,ev->...v", h, self.lm_head[...].astype(h.dtype))
         return sharding.constrain(logits, ("batch", *("length",) * (logits.ndim - 2), "act_vocab"))
 
-    def hidden(self, tokens_bt, positions_bt=None, *, cache=None, lora=None, lora_scale=1.0,
-               kv_mask_bs=None, remat: str = "none", layers=None, attention_impl: str = "auto",
-               cache_attention=None, lora_groups=None, cache_layout: str = CACHE_LAYOUT):
+    def hidden(self, tokens_bt, positions_bt=None, *, cache=None, cache_attention=None, lora=None,
+               lora_scale=1.0, kv_mask_bs=None, remat: str = "none", layers=None, attention_impl: str = "auto",
+               lora_groups=None):
         """Last hidden states [B, T, E] (before the final norm) and the updated cache (or None).
 
-        Without a cache, the stacked layers run under `lax.scan` and attention is causal over the T
-        tokens (`kv_mask_bs` [B, T] may mark padded keys); `remat` (see `REMAT`) trades backward-pass
-        recomputation for activation memory, and `attention_impl` (`attention.ATTENTIONS`) picks the
-        attention kernel (`auto`: by backend and T; dense for short T on CPU). With a cache
-        (`init_cache`: one per layer, in `cache_layout`), the T new tokens of row b are written at columns
-        positions_bt[b, 0] … + T − 1 and attend every column ≤ their own position (cache column =
-        absolute position, so right-padded prompts need no extra mask). The cached path runs the
-        layers as a Python loop over per-layer weights: a scan would copy each layer's weight and
-        cache slices out of the stacked arrays on every step. Pass `layers=self.layer_list()`, made
-        once outside a decode loop, to read those weights in place. `cache_attention(q, k, v, kv,
-        positions_bt) -> (attn, new_kv)` replaces the cache write and attention for another cache
-        layout (the rollout engine's KV pages, `marljax.engine.paged_attention`).
+        Uncached (training, scoring): the stacked layers run under `lax.scan` and attention is causal
+        over the T tokens (`kv_mask_bs` [B, T] may mark padded keys); `remat` (see `REMAT`) trades
+        backward-pass recomputation for activation memory, and `attention_impl` (`attention.ATTENTIONS`)
+        picks the attention kernel (`auto`: by backend and T; dense for short T on CPU).
+
+        Cached (the rollout engine): `cache` holds one state per layer and `cache_attention(q, k, v, kv,
+        positions_bt) -> (attn, new_kv)` writes the T new keys and values of row b at its positions
+        positions_bt[b] and attends every key at a position ≤ the query's own (the engine's KV pages,
+        `marljax.engine.paged_attention`). The layers run as a Python loop over per-layer weights: a scan
+        would copy each layer's weight and cache slices out of the stacked arrays on every step. Pass
+        `layers=self.layer_list()`, made once outside a decode loop, to read those weights in place.
 
         Per-row adapters (cached path only): `lora` holds G parameter sets stacked on a leading axis
         (`lora.stack_adapters`: a [G, n, *in, r], b [G, n, r, *out]) and `lora_groups` (int32 [G], traced)
@@ -288,17 +293,15 @@ class Decoder(nnx.Module):
         """
         c = self.config
         B, T = tokens_bt.shape
+        if (cache is None) != (cache_attention is None):
+            raise ValueError("the cached path takes `cache` and `cache_attention` together (the rollout engine's "
+                             "pages and hook, marljax.engine.paged_attention); the uncached pass takes neither.")
         token_groups = None if lora_groups is None else _token_groups(lora, lora_groups, cache, T)
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         x = jnp.take(self.embed[...], tokens_bt, axis=0).astype(c.jnp_dtype)  # the residual stream
         x = sharding.constrain(x, ("batch", "length", "act_embed"))
-        if cache is None:
-            impl = resolve_attention(attention_impl, T, c.jnp_dtype)
-        elif cache_attention is None:
-            mask_bts = cache_mask(cache_columns(cache[0], cache_layout), positions_bt)
-            if kv_mask_bs is not None:
-                mask_bts = mask_bts & kv_mask_bs[:, None, :]
+        impl = None if cache is not None else resolve_attention(attention_impl, T, c.jnp_dtype)
         rot = rope_tables(positions_bt, c.head_dim, c.rope_theta)
 
         def block(x, p, lora_l, kv):
@@ -315,11 +318,8 @@ class Decoder(nnx.Module):
             q, k = rope(q, *rot), rope(k, *rot)
             if kv is None:
                 attn = causal_attention(q, k, v, positions_bt, kv_mask_bs, impl)
-            elif cache_attention is not None:
-                attn, kv = cache_attention(q, k, v, kv, positions_bt)
             else:
-                kv = write_cache(kv, k, v, positions_bt, cache_layout)
-                attn = attention(q, kv["k"], kv["v"], mask_bts, cache_layout)
+                attn, kv = cache_attention(q, k, v, kv, positions_bt)
             attn = sharding.constrain(attn, _HEADS)
             x = x + lin(attn, "wo", 2)
             h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
@@ -333,15 +333,23 @@ class Decoder(nnx.Module):
         n_adapted = c.num_layers if lora is None else jax.tree.leaves(lora)[0].shape[layer_axis]
         split = c.num_layers - n_adapted  # adapters cover the last n_adapted layers
         if cache is not None:
-            layers = self.layer_list() if layers is None else layers
-            new_cache = []
-            for i, p in enumerate(layers):
-                at = (slice(None),) * layer_axis + (i - split,)
-                lora_l = None if lora is None or i < split else jax.tree.map(lambda a: a[at], lora)
-                x, kv = block(x, p, lora_l, cache[i])
-                new_cache.append(kv)
-            return x, new_cache
+            return self._cached_layers(block, x, cache, layers, lora, split, layer_axis)
+        return self._scanned_layers(block, x, lora, split, remat), None
 
+    def _cached_layers(self, block, x, cache, layers, lora, split: int, layer_axis: int):
+        """The cached path's layers: a Python loop over per-layer weights (`layers`, else sliced here),
+        adapters on the layers from `split` on (sets stacked before the layer axis when `layer_axis` = 1)."""
+        layers = self.layer_list() if layers is None else layers
+        new_cache = []
+        for i, p in enumerate(layers):
+            at = (slice(None),) * layer_axis + (i - split,)
+            lora_l = None if lora is None or i < split else jax.tree.map(lambda a: a[at], lora)
+            x, kv = block(x, p, lora_l, cache[i])
+            new_cache.append(kv)
+        return x, new_cache
+
+    def _scanned_layers(self, block, x, lora, split: int, remat: str):
+        """The uncached path's layers under `lax.scan` with `remat`, adapters on the layers from `split` on."""
         def scan_block(x, xs):
             return block(x, *xs, None)[0], None
 
@@ -354,7 +362,7 @@ class Decoder(nnx.Module):
             # activations are constants for the adapters' gradient (no backward pass through it)
             x, _ = jax.lax.scan(scan_block, x, (jax.tree.map(lambda a: a[:split], layer_params), None))
         x, _ = jax.lax.scan(scan_block, x, (jax.tree.map(lambda a: a[split:], layer_params), lora))
-        return x, None
+        return x
 
     def layer_list(self) -> list[dict]:
         """Per-layer weights {name: array} sliced out of the stacked parameters (for the cached path),
@@ -388,8 +396,8 @@ def _token_groups(lora, lora_groups, cache, tokens_per_row: int):
     """Per-set token counts of the flattened [B·T] tokens (each row's T tokens are contiguous), after
     checking that `lora_groups` comes with a cache and one count per stacked set."""
     if cache is None:
-        raise ValueError("lora_groups (per-row adapters) needs the cached path: pass `cache` (init_cache or "
-                         "the engine's pages); the uncached pass takes one adapter set (`lora`).")
+        raise ValueError("lora_groups (per-row adapters) needs the cached path: pass `cache` and `cache_attention` "
+                         "(the engine's pages and hook); the uncached pass takes one adapter set (`lora`).")
     if lora is None:
         raise ValueError("lora_groups needs `lora`: the sets' adapters stacked by lora.stack_adapters.")
     sets = jax.tree.leaves(lora)[0].shape[0]
@@ -401,39 +409,3 @@ def _token_groups(lora, lora_groups, cache, tokens_per_row: int):
 
 _HEADS = ("batch", "length", "act_heads", "head_dim")
 _KV_HEADS = ("batch", "length", "act_kv_heads", "head_dim")
-
-
-def write_cache(kv, k_btkd, v_btkd, positions_bt, layout: str = CACHE_LAYOUT):
-    """The dense cache `kv` (`init_cache`'s `layout`) with row b's new keys and values at its columns
-    positions_bt[b] (a scatter, in place under jit)."""
-    rows_bt = jnp.broadcast_to(jnp.arange(positions_bt.shape[0])[:, None], positions_bt.shape)
-    at_sd = (rows_bt, slice(None), positions_bt)  # [B, K, S, D]
-    at_ds = (rows_bt, slice(None), slice(None), positions_bt)  # [B, K, D, S]
-    k_at, v_at = (at_ds, at_sd) if layout == "keys_ds" else (at_sd, at_ds)
-    return {"k": set_at(kv["k"], k_at, k_btkd), "v": set_at(kv["v"], v_at, v_btkd)}
-
-
-def cache_columns(kv, layout: str = CACHE_LAYOUT) -> int:
-    """S, the number of columns of one layer's dense cache `kv` in `layout`."""
-    return kv["v" if layout == "keys_ds" else "k"].shape[2]
-
-
-def cache_mask(columns: int, positions_bt):
-    """[B, T, S]: query t of row b sees dense-cache column s iff s ≤ its position (column = position)."""
-    return jnp.arange(columns, dtype=jnp.int32)[None, None, :] <= positions_bt[:, :, None]
-
-
-def init_cache(config: ModelConfig, batch: int, length: int, dtype=None,
-               layout: str = CACHE_LAYOUT) -> list[dict[str, Any]]:
-    """Zeroed KV cache, per layer {"k", "v"} in `layout` (`attention.ATTENTION_LAYOUTS`; the default
-    "keys_ds": k [batch, kv_heads, head_dim, length], v [batch, kv_heads, length, head_dim]), the forms
-    `attention` reads in place; sharded on a mesh."""
-    if layout not in ATTENTION_LAYOUTS:
-        raise ValueError(f"unknown KV cache layout {layout!r}; choose one of {sorted(ATTENTION_LAYOUTS)}")
-    dt = dtype or config.jnp_dtype
-    B, K, D, S = batch, config.num_kv_heads, config.head_dim, length
-    sd, ds = ((B, K, S, D), ("batch", "act_kv_heads", "length", "head_dim")), \
-        ((B, K, D, S), ("batch", "act_kv_heads", "head_dim", "length"))
-    (k_shape, k_axes), (v_shape, v_axes) = (ds, sd) if layout == "keys_ds" else (sd, ds)
-    return [{"k": sharding.constrain(jnp.zeros(k_shape, dt), k_axes),
-             "v": sharding.constrain(jnp.zeros(v_shape, dt), v_axes)} for _ in range(config.num_layers)]
