@@ -67,7 +67,9 @@ def test_every_script_has_a_smoke_run():
     assert {p.name for p in BENCH.glob("*.py")} - HELPERS == set(SCRIPTS)
 
 
-@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s
+# each its own xdist group (tests/conftest.py): under `make test` the runs spread over the workers
+@pytest.mark.parametrize("script", [pytest.param(s, marks=[pytest.mark.xdist_group(f"bench-{s}"),
+                                                          *([pytest.mark.slow] if s in SLOW else [])])
                                     for s in sorted(SCRIPTS)])
 def test_script_runs_small(script, tmp_path):
     args, needs = SCRIPTS[script]
