@@ -36,6 +36,7 @@ from marljax.models.attention import ATTENTIONS
 from marljax.models.decoder import REMAT
 from marljax.models.lora import ALL_LINEAR, LoRAConfig
 from marljax.models.precision import DTYPES
+from marljax.policy_sampler import SamplerSettings
 from marljax.rl import policy_map as pm
 from marljax.rl.advantages import REWARD_ROUTINGS, AdvantageConfig, get_estimator, get_group_key
 from marljax.rl.diagnostics import CliffConfig
@@ -171,6 +172,13 @@ class SamplingSection:
     # prompt + max_new_tokens; optimistic: of its first decode chunk (a pool sized by the tokens in flight; a
     # max_cache_tokens pool that runs short preempts the latest requests, which restart: the same samples)
     admission: str = "worst_case"
+
+    def build(self, stop_token_ids: tuple[int, ...]) -> SamplerSettings:
+        """The policy sampler's settings (every field but the temperatures, which are per call, and the
+        prompt cap, which the workflows apply); `stop_token_ids`: the chat codec's."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplerSettings)
+                  if f.name != "stop_token_ids"}
+        return SamplerSettings(stop_token_ids=tuple(stop_token_ids), **fields)
 
     def check(self) -> None:
         if self.chunk_steps < 1:

@@ -32,7 +32,7 @@ from marljax.config import Config, ConfigError, cli_config, describe, load_confi
 from marljax.rl import policy_map as pm
 
 if TYPE_CHECKING:
-    from marljax.train import Policy
+    from marljax.build import Policy
     from marljax.workflows import Workflow
 
 SHORTCUTS = ("n", "checkpoint", "which", "transfer")
@@ -85,8 +85,8 @@ def build(checkpoint: epath.Path | None, config_file: str | None, overrides: lis
 
     Raises ConfigError (bad keys, transfer from a run that is not single-agent, an unknown workflow or mode)
     or FileNotFoundError (no checkpoint / peak)."""
+    from marljax.build import build_policy, build_problems, build_workflow
     from marljax.checkpoint import WHICH, Checkpointer
-    from marljax.train import build_policy, build_problems, build_workflow
 
     if which not in WHICH:
         raise ConfigError(f"which={which!r}; choose one of {WHICH}.")

@@ -4,15 +4,15 @@ The base config: `--config FILE` if given; with no arguments at all, configs/def
 demo); with only key=value overrides, the paper's settings (the dataclass defaults of marljax.config).
 The first lines printed (stderr) name the base and every key that departs from the paper's settings.
 
-Build (`build_policy`, `build_problems`, `build_workflow`, shared with `marljax.evaluate`), resume, then
-loop per step: rollout (batched workflow engine over the policy sets) → rewards → group advantages →
-one jitted update per mini-batch (per-role grads, diagnostics, per-set AdamW) → metrics. Evaluation
-(workflow pass@1 on held-out problems) before step 1 and every `eval.every` steps; Orbax checkpoints
-every `checkpoint.every` steps; re-running on a run_dir with a checkpoint resumes it exactly, on one without
-a checkpoint starts afresh (`clear_earlier_attempt`). The state of the best eval so far is kept apart
-(RUN_DIR/peak); with `diagnostics.rollback_on_cliff` the trainer restores it when the terminal-cliff
-detector fires, then stops or continues at a scaled learning rate. SIGTERM (preemption) ends the run at
-the end of the current step with a checkpoint of it and exit status 0 (`Preemption`).
+Build (`marljax.build`, shared with `marljax.evaluate` and `marljax.aot`), resume, then loop per step:
+rollout (batched workflow engine over the policy sets) → rewards → group advantages → one jitted update
+per mini-batch (per-role grads, diagnostics, per-set AdamW) → metrics (`TrainRecord`, flattened for the
+log at the end). Evaluation (workflow pass@1 on held-out problems) before step 1 and every `eval.every`
+steps; Orbax checkpoints every `checkpoint.every` steps; re-running on a run_dir with a checkpoint resumes
+it exactly, on one without a checkpoint starts afresh (`clear_earlier_attempt`). The state of the best eval
+so far is kept apart (RUN_DIR/peak); with `diagnostics.rollback_on_cliff` the trainer restores it when the
+terminal-cliff detector fires, then stops or continues at a scaled learning rate. SIGTERM (preemption) ends
+the run at the end of the current step with a checkpoint of it and exit status 0 (`Preemption`).
 """
 from __future__ import annotations
 
@@ -21,9 +21,7 @@ if __name__ == "__main__":  # the CLI keeps freed host memory: before anything i
     host_memory.opt_in("marljax.train")
 
 import argparse
-import dataclasses
 import json
-import math
 import shlex
 import signal
 import sys
@@ -31,33 +29,25 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import yaml
 from etils import epath
-from flax import nnx
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from marljax import compile_cache, sharding, storage
+from marljax.build import EngineSampler, build_policy, build_problems, build_trainer, build_workflow, init_state
 from marljax.checkpoint import Checkpointer
 from marljax.config import Config, ConfigError, cli_config, describe, leaves, load_config, resolve, to_dict
 from marljax.metrics import MetricsLogger
-from marljax.models import load_model, load_tokenizer
-from marljax.models.decoder import Decoder, trainable_params
-from marljax.models.lora import LoRAConfig, init_lora
-from marljax.models.tokenizer import ChatCodec
 from marljax.peer_watch import PeerWatch
-from marljax.policy_sampler import PolicySampler, SamplerSettings
-from marljax.rl import policy_map as pm
 from marljax.rl.advantages import compute_advantages, permuted_within_roles
 from marljax.rl.diagnostics import AccuracyTracker, DominanceTracker, LengthDrift
 from marljax.rl.state import TrainState
-from marljax.rl.step import Sample, Trainer, train_batch
-from marljax.rl.step_metrics import BatchMetrics
-from marljax.tasks.data import DataError, load_task, validation_split
-from marljax.tasks.sandbox import require as require_sandbox
-from marljax.workflows import Completion, rollout
+from marljax.rl.step import Sample, train_batch
+from marljax.rl.step_metrics import BatchMetrics, StepTimes, TrainRecord
+from marljax.tasks.data import DataError
+from marljax.workflows import Rollout, rollout
 from marljax.workflows.evaluation import evaluate_workflow
 from marljax.workflows.metrics import rollout_metrics
 
@@ -66,117 +56,6 @@ def minibatch_seed(seed: int, step: int) -> int:
     """The mini-batch shuffle's seed of training step `step`: a function of (run seed, step) only, so a
     resumed run cuts the same mini-batches (the constant keeps it apart from the rollout's seed)."""
     return int(np.random.SeedSequence([seed, step, 0x6D62]).generate_state(1)[0])
-
-
-# ---- build: the parts `train` and `evaluate` share ------------------------------------------------
-@dataclasses.dataclass
-class Policy:
-    """The model every parameter set adapts: its mesh and sharding rules, the frozen base, the chat codec
-    and the LoRA format (None: full fine-tuning, a set is the whole model)."""
-
-    mesh: jax.sharding.Mesh
-    rules: dict
-    model: Decoder
-    codec: ChatCodec
-    lora_cfg: LoRAConfig | None
-
-    def init_params(self, cfg: Config, sets: tuple[str, ...]) -> dict:
-        """Fresh parameters of every set ({set: adapter, B = 0}, or {set: the base's weights}), placed on
-        the mesh (`param_shardings`)."""
-        key = jax.random.key(cfg.seed)
-        if self.lora_cfg is not None:
-            params = {s: init_lora(self.model.config, self.lora_cfg, jax.random.fold_in(key, i))
-                      for i, s in enumerate(sets)}
-        else:
-            params = {s: trainable_params(self.model) for s in sets}  # float32 master weights
-        return jax.device_put(params, self.param_shardings(cfg, params))
-
-    def param_shardings(self, cfg: Config, params: dict) -> dict:
-        return {s: sharding.trainable_shardings(p, self.model, self.mesh, self.rules,
-                                                replicate_lora=cfg.mesh.lora == "replicated")
-                for s, p in params.items()}
-
-    def sampler(self, cfg: Config, params: dict) -> PolicySampler:
-        """A sampler over `params` ({set: parameters}) with the run's sampling settings."""
-        sp = cfg.sampling
-        settings = SamplerSettings(max_new_tokens=sp.max_new_tokens, top_p=sp.top_p, top_k=sp.top_k,
-                                   stop_token_ids=tuple(self.codec.stop_token_ids),
-                                   max_cache_tokens=sp.max_cache_tokens, num_slots=sp.num_slots,
-                                   mix_sets=sp.mix_sets, prefill_tokens=sp.prefill_tokens,
-                                   paged_attention=sp.paged_attention, admission=sp.admission,
-                                   chunk_steps=sp.chunk_steps)
-        return PolicySampler(self.model, params, self.lora_cfg.scale if self.lora_cfg else None, self.mesh,
-                             self.rules, settings)
-
-    def rollout_sampler(self, cfg: Config, params: dict, temperature: float) -> EngineSampler:
-        """What the workflows sample from over `params` at `temperature`: role calls stream through the
-        rollout engine as episodes reach them."""
-        return EngineSampler(self.sampler(cfg, params).stream(temperature))
-
-
-class EngineSampler:
-    """A `PolicyStream` as the workflows' `StreamSampler`: its results as `Completion`s."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    @property
-    def calls(self) -> int:
-        return self.stream.calls
-
-    def submit(self, set_name: str, prompt: list[int], seed: int) -> int:
-        return self.stream.submit(set_name, prompt, seed)
-
-    def poll(self) -> list[tuple[int, Completion]]:
-        return [(t, Completion(tokens, logprobs, not hit)) for t, (tokens, logprobs, hit) in self.stream.poll()]
-
-    def close(self) -> None:
-        """Free the rollout's KV pools, dense caches and merged weights now, before the update needs the
-        memory (on an accelerator they would otherwise meet its temporaries until Python collects them)."""
-        self.stream.close(release=True)
-
-
-def build_policy(cfg: Config) -> Policy:
-    """Mesh, rules, the base model loaded onto them, the codec and the LoRA format of a resolved config."""
-    mesh = sharding.make_mesh(cfg.mesh)
-    rules = sharding.get_rules(cfg.mesh, mesh)
-    model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed, param_dtype=cfg.param_dtype,
-                       shardings=sharding.variable_sharding(mesh, rules))
-    codec = ChatCodec(load_tokenizer(cfg.model))
-    return Policy(mesh, rules, model, codec, cfg.lora.build())
-
-
-@dataclasses.dataclass
-class Problems:
-    """The training, held-out (test) and validation problems (empty without `task.val_n`), and the step-0
-    record of how code is graded (empty without code)."""
-
-    train: list
-    eval: list
-    run_info: dict
-    val: list = dataclasses.field(default_factory=list)
-
-
-def build_problems(cfg: Config) -> Problems:
-    opts = dict(cfg.task.options)
-    limit = None if cfg.task.train_size is None else cfg.task.train_size + cfg.task.val_n
-    train_problems = load_task(cfg.task.name, path=cfg.task.path, split="train", seed=cfg.task.split_seed,
-                               limit=limit, sandbox=cfg.task.sandbox, **opts)
-    eval_problems = load_task(cfg.task.name, path=cfg.task.path, split="test", seed=cfg.task.split_seed,
-                              limit=cfg.task.eval_n, sandbox=cfg.task.sandbox, **opts)
-    val_problems, train_problems = validation_split(train_problems, eval_problems, cfg.task.val_n)
-    # Code grading fails closed here, before any rollout: bwrap must work unless rlimits is asked for.
-    code = any(p.kind == "code" for p in train_problems + eval_problems)
-    run_info = {"sandbox/mode": require_sandbox(cfg.task.sandbox)} if code else {}  # step-0 record
-    if not train_problems:
-        raise ConfigError(f"task {cfg.task.name!r} gave no training problems.")
-    return Problems(train_problems, eval_problems, run_info, val_problems)
-
-
-def build_workflow(cfg: Config):
-    """(the workflow, its policy map: which parameter set each role trains)."""
-    workflow = cfg.workflow.build()
-    return workflow, pm.from_config(cfg.policy, workflow.roles)
 
 
 class Run:
@@ -190,12 +69,10 @@ class Run:
         self.policy = build_policy(cfg)
         self.workflow, self.policy_map = build_workflow(cfg)
         self.route = dict(self.policy_map.route)
-        lora = self.policy.lora_cfg
-        self.step_cfg = cfg.rl.step(self.route, self.workflow.same_role_counts(), cfg.sampling.temperature,
-                                    lora.scale if lora else None)
         self.adv_cfg = cfg.rl.advantages()
-        self.optimizer = cfg.optim.build()
-        self.trainer, self.state = self.init_trainer()
+        params = self.policy.init_params(cfg, self.policy_map.sets)
+        self.trainer, shardings = build_trainer(cfg, self.policy, self.workflow, self.policy_map, params)
+        self.state = init_state(self.trainer, params, shardings)
         d = cfg.diagnostics
         self.accuracy = AccuracyTracker(total_steps=cfg.steps, cliff=d.cliff())
         self.dominance = DominanceTracker(window=d.dominant_window)
@@ -203,18 +80,6 @@ class Run:
         self.nonfinite_streak = 0
         self.lr_scale = 1.0  # product of the `rollback_lr_scale`s of the rollbacks so far
         self.stopped: str | None = None  # why a rollback ended the run (a re-run then trains no further)
-
-    def init_trainer(self) -> tuple[Trainer, TrainState]:
-        """The jitted trainer and the step-0 state, both placed on the mesh."""
-        p, mesh = self.policy, self.policy.mesh
-        params = p.init_params(self.cfg, self.policy_map.sets)
-        p_sh = p.param_shardings(self.cfg, params)
-        o_sh = {s: sharding.optimizer_shardings(self.optimizer, x, p_sh[s], mesh) for s, x in params.items()}
-        e_sh = {r: p_sh[s] for r, s in self.route.items()} if self.step_cfg.damping_lambda > 0 else {}
-        state_sh = TrainState(p_sh, o_sh, e_sh, sharding.replicated(mesh))
-        trainer = Trainer(p.model, self.step_cfg, self.optimizer,
-                          out_shardings=(state_sh, sharding.replicated(mesh)))
-        return trainer, jax.device_put(trainer.init_state(params), state_sh)
 
     def rollout_sampler(self, temperature: float) -> EngineSampler:
         """The workflows' sampler over the current parameters."""
@@ -231,24 +96,12 @@ class Run:
         finally:
             sampler.close()
 
-    # ---- data ----------------------------------------------------------------------------------
-    def batch_problems(self, step: int):
-        """Problems of training step `step` (1-based): a seeded permutation per epoch, deterministic."""
-        n, per = len(self.problems.train), self.cfg.rl.problems_per_step
-        start = (step - 1) * per
-        out = []
-        for i in range(start, start + per):
-            epoch, pos = divmod(i, n)
-            perm = np.random.default_rng([self.cfg.seed, epoch]).permutation(n)
-            out.append(self.problems.train[perm[pos]])
-        return out
-
     # ---- one step ------------------------------------------------------------------------------
-    def train_step(self, step: int) -> tuple[dict, BatchMetrics]:
-        """Rollout, advantages and the update of training step `step`: its record and the update's metrics."""
+    def train_step(self, step: int) -> TrainRecord:
+        """Rollout, advantages and the update of training step `step`, and the trackers they feed."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        problems = self.batch_problems(step)
+        problems = self.problems.batch(step, cfg.rl.problems_per_step, cfg.seed)
         sampler = self.rollout_sampler(cfg.sampling.temperature)
         try:
             ro = rollout(self.workflow, problems, sampler, self.policy.codec, self.route, n_rollouts=cfg.rl.rollouts,
@@ -261,41 +114,33 @@ class Run:
         adv = compute_advantages(problem_id=c.problem_id, rollout=c.rollout, role=c.role, slot=c.slot,
                                  turn=c.turn, episode_reward=c.reward, role_reward=c.correct,
                                  cfg=self.adv_cfg, split_slots=ro.slot_grouped_roles)
-        advantage = adv.advantage
-        if cfg.rl.null_advantages:
-            advantage = permuted_within_roles(advantage, c.role, seed=[cfg.seed, step, 0x6E75])
-        if jax.process_count() > 1:  # rewards can differ across hosts (test timeouts): use process 0's
-            advantage = multihost_utils.broadcast_one_to_all(np.asarray(advantage))
-        samples = [Sample(str(c.role[i]), list(c.prompt_ids[i]), list(c.response_ids[i]), float(advantage[i]),
-                          sampler_logprobs=list(c.logprobs[i]), agent=int(c.slot[i]))
-                   for i in range(len(c.role)) if len(c.response_ids[i])]
+        samples = self.samples(step, c, adv.advantage)
         t1 = time.perf_counter()
         lr = cfg.optim.lr_at(step, cfg.steps) * self.lr_scale
         with sharding.use_mesh(self.policy.mesh, self.policy.rules):
             self.state, m = train_batch(self.trainer, self.state, samples, lr, seed=minibatch_seed(cfg.seed, step),
                                         ranks=sharding.batch_ranks(self.policy.mesh, self.policy.rules))
-        t_update = time.perf_counter() - t1
-        record = {"step": step, "lr": lr, **rollout_metrics(ro), **adv.metrics(), **m.record()}
-        for role in self.workflow.roles:
-            record[f"role/{role}/n_samples"] = int(np.sum(c.role == role))
-        record["loss"] = mean_set_loss(m, self.policy_map.sets)
-        record["grad_norm"] = float(np.sqrt(sum((m.sets[s].grad_norm if s in m.sets else 0.0) ** 2
-                                                for s in self.policy_map.sets)))
-        n_tokens = sum(len(s.response) for s in samples)
-        record.update({"time/rollout_s": t_rollout, "time/update_s": t_update,
-                       "time/step_s": time.perf_counter() - t0, "throughput/response_tok_s":
-                       n_tokens / max(time.perf_counter() - t0, 1e-9)})
+        times = StepTimes(t_rollout, time.perf_counter() - t1, time.perf_counter() - t0)
         shared_roles = [r for r in self.workflow.roles if len(self.policy_map.roles_of(self.route[r])) > 1]
         if shared_roles:  # dominance is defined among roles that share a set
             self.dominance.update({r: m.roles[r].grad_share if r in m.roles else 0.0 for r in shared_roles})
         dom_role, dom_share = self.dominance.index()
-        record["diag/dominant_share"] = dom_share
-        if dom_role is not None:
-            record["diag/dominant_role"] = dom_role
-        drift = self.lengths.update(step, {r: record[f"role/{r}/length_mean"] for r in self.workflow.roles
-                                           if f"role/{r}/length_mean" in record})
-        record.update({f"role/{r}/length_drift": v for r, v in drift.items()})
-        return record, m
+        return TrainRecord(
+            step=step, lr=lr, rollout=rollout_metrics(ro), advantages=adv.metrics(), update=m,
+            n_samples={role: int(np.sum(c.role == role)) for role in self.workflow.roles},
+            response_tokens=sum(len(s.response) for s in samples), times=times, dominant_share=dom_share,
+            dominant_role=dom_role, length_drift=self.lengths.update(step, mean_lengths(ro, self.workflow.roles)))
+
+    def samples(self, step: int, c, advantage) -> list[Sample]:
+        """The update's samples of step `step`'s rollout columns `c` (calls with a response) and their
+        `advantage`s (shuffled within roles under `rl.null_advantages`; process 0's on many hosts)."""
+        if self.cfg.rl.null_advantages:
+            advantage = permuted_within_roles(advantage, c.role, seed=[self.cfg.seed, step, 0x6E75])
+        if jax.process_count() > 1:  # rewards can differ across hosts (test timeouts): use process 0's
+            advantage = multihost_utils.broadcast_one_to_all(np.asarray(advantage))
+        return [Sample(str(c.role[i]), list(c.prompt_ids[i]), list(c.response_ids[i]), float(advantage[i]),
+                       sampler_logprobs=list(c.logprobs[i]), agent=int(c.slot[i]))
+                for i in range(len(c.role)) if len(c.response_ids[i])]
 
     # ---- checkpoint meta -----------------------------------------------------------------------
     def meta(self, step: int) -> dict:
@@ -313,10 +158,11 @@ class Run:
         self.lr_scale, self.stopped = meta.get("lr_scale", 1.0), meta.get("stopped")  # absent in older checkpoints
 
 
-def mean_set_loss(m: BatchMetrics, sets: tuple[str, ...]) -> float:
-    """The step's loss: the mean over the sets that trained of each set's loss (NaN when none did)."""
-    losses = [m.sets[s].loss for s in sets if s in m.sets]
-    return float(np.mean(losses)) if losses else float("nan")
+def mean_lengths(ro: Rollout, roles: tuple[str, ...]) -> dict[str, float]:
+    """Per role of `roles` that made calls in `ro`: the mean response tokens of its calls (what
+    `rollout_metrics` logs as `role/<r>/length_mean`)."""
+    lengths = {r: [len(c.response_ids) for c in ro.calls if c.role == r] for r in roles}
+    return {r: float(np.mean(n)) for r, n in lengths.items() if n}
 
 
 def track_eval(run: Run, ckpt: Checkpointer, step: int, metrics: dict) -> bool:
@@ -455,10 +301,8 @@ def resume(run: Run, ckpt: Checkpointer, log) -> int:
 
 def count_nonfinite(run: Run, step: int, m: BatchMetrics) -> None:
     """Track the streak of steps whose update was skipped for a non-finite loss or gradient."""
-    sets = run.policy_map.sets
-    nonfinite = not math.isfinite(mean_set_loss(m, sets)) or any(m.sets[s].nonfinite for s in sets if s in m.sets)
-    run.nonfinite_streak = run.nonfinite_streak + 1 if nonfinite else 0
-    if nonfinite:
+    run.nonfinite_streak = run.nonfinite_streak + 1 if m.nonfinite else 0
+    if m.nonfinite:
         print(f"step {step}: non-finite loss/gradient; update skipped "
               f"({run.nonfinite_streak} in a row)", file=sys.stderr)
 
@@ -527,14 +371,15 @@ def train(cfg: Config, preemption: Preemption | None = None) -> epath.Path:
     bar = tqdm(range(start + 1, last + 1), initial=start, total=cfg.steps, desc="train", unit="step",
                disable=not sharding.is_primary())
     for step in bar:
-        record, m = run.train_step(step)
-        count_nonfinite(run, step, m)
+        done = run.train_step(step)
+        count_nonfinite(run, step, done.update)
+        record = done.record()
         if cfg.eval.every > 0 and (step % cfg.eval.every == 0 or step == cfg.steps):
             eval_step(run, ckpt, step, record)
         record.update({f"diag/{k}": v for k, v in run.accuracy.summary().items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
         log.log(record)
-        bar.set_postfix({"reward": f"{record['reward/mean']:.3f}", "loss": f"{record['loss']:.3f}",
+        bar.set_postfix({"reward": f"{done.rollout['reward/mean']:.3f}", "loss": f"{done.update.loss:.3f}",
                          **({"pass@1": f"{record['eval/pass@1']:.3f}"} if "eval/pass@1" in record else {})})
         preempted = step < last and preemption.agreed()  # a collective on many hosts: every step calls it
         ckpt.save(step, run.state, run.meta(step), force=step == cfg.steps or run.stopped is not None or preempted)

@@ -78,7 +78,7 @@ def test_validation_split_shares_no_question_with_train_or_test():
     its streams, so the split goes by question text, and asking for more than exist is an error."""
     from marljax.config import load_config
     from marljax.tasks.data import DataError, validation_split
-    from marljax.train import build_problems
+    from marljax.build import build_problems
     cfg = load_config("configs/default.yaml", ["task.val_n=64", "task.eval_n=64"])
     p = build_problems(cfg)
     q = {name: [x.question for x in getattr(p, name)] for name in ("train", "val", "eval")}

@@ -10,7 +10,7 @@ import time
 import pytest
 import yaml
 
-from marljax import evaluate, train
+from marljax import build, evaluate, train
 from marljax.config import DEMO_CONFIG, PAPER_BASE, Config, cli_config, describe, load_config, resolve, to_dict
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -35,8 +35,9 @@ def test_base_rule():
 
 
 def test_print_config_prints_the_resolved_config_and_loads_nothing(capsys, monkeypatch):
-    for name in ("load_model", "load_tokenizer", "load_task", "train"):
-        monkeypatch.setattr(train, name, _refuse)
+    for name in ("load_model", "load_tokenizer", "load_task"):
+        monkeypatch.setattr(build, name, _refuse)
+    monkeypatch.setattr(train, "train", _refuse)
     monkeypatch.setattr(train.sharding, "initialize_distributed", _refuse)
     train.main(["--print-config", "task=deepcoder", "workflow=single", "rl.clip_high=0.3"])
     out, err = capsys.readouterr()
@@ -93,7 +94,8 @@ def test_describe_lists_the_demos_departures():
 
 
 def test_evaluate_takes_its_base_the_same_way(capsys, monkeypatch):
-    monkeypatch.setattr(train, "Run", _refuse)
+    for name in ("build_policy", "build_problems"):
+        monkeypatch.setattr(build, name, _refuse)
     evaluate.main(["--print-config", "n=5"])
     out, err = capsys.readouterr()
     assert yaml.safe_load(out)["task"]["eval_n"] == 5 and yaml.safe_load(out)["model"] == Config().model
@@ -106,7 +108,8 @@ def test_evaluate_takes_its_base_the_same_way(capsys, monkeypatch):
 def test_a_checkpoint_is_evaluated_under_its_own_config(tmp_path, capsys, monkeypatch):
     """checkpoint=RUN reads RUN/config.yaml (its first line says so); with --config beside it the pair is
     refused, naming both files, before anything loads."""
-    monkeypatch.setattr(train, "Run", _refuse)
+    for name in ("build_policy", "build_problems"):
+        monkeypatch.setattr(build, name, _refuse)
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text(DEMO_CONFIG.read_text().replace("name: voting", "name: single"))
@@ -144,6 +147,6 @@ def test_the_run_resolves_its_config_and_caps_prompts(tmp_path):
     ev = run.evaluate(seed=0)
     assert ev.metrics["workflow/prompt_overflow"] == 1.0 and ev.metrics["pass@1"] == 0.0
     assert ev.metrics["role/generator/calls_per_episode"] == 3 and "role/aggregator/length_mean" not in ev.metrics
-    record, _ = run.train_step(1)
+    record = run.train_step(1).record()
     assert record["workflow/prompt_overflow"] == 1.0 and record["reward/mean"] == 0.0
     assert (record["role/generator/n_samples"], record["role/aggregator/n_samples"]) == (6, 0)

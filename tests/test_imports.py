@@ -20,10 +20,13 @@ LAYERS: dict[str, str] = {
     "marljax.tasks": "tasks",
     "marljax.workflows": "workflows",
     "marljax.rl": "rl",
-    **{f"marljax.{m}": "entry" for m in ("train", "evaluate", "report", "compare", "generate", "matrix", "config",
+    "marljax.config": "build", "marljax.build": "build",
+    **{f"marljax.{m}": "entry" for m in ("train", "evaluate", "report", "compare", "generate", "matrix",
                                          "checkpoint", "metrics", "aot", "_cli", "launch_specs", "seed_stats")},
     "marljax": "entry",
 }
+# Entry points that nothing imports: what they share lives below them (`marljax.build`).
+IMPORTED_BY_NOTHING = ("marljax.train", "marljax.evaluate")
 MAY_IMPORT: dict[str, set[str]] = {
     "core": {"core"},
     "models": {"models", "core"},
@@ -31,7 +34,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "tasks": {"tasks"},
     "workflows": {"workflows", "tasks"},
     "rl": {"rl", "sampling", "models", "core"},
-    "entry": {"entry", "rl", "workflows", "tasks", "sampling", "models", "core"},
+    "build": {"build", "rl", "workflows", "tasks", "sampling", "models", "core"},
+    "entry": {"entry", "build", "rl", "workflows", "tasks", "sampling", "models", "core"},
 }
 
 Graph = dict[str, list[tuple[str, int]]]  # module -> [(imported module of the package, line)]
@@ -166,6 +170,21 @@ def test_imports_point_down_and_form_no_cycle():
     problems = layer_violations(graph, {m: str(p.relative_to(root.parent)) for m, p in sources.items()})
     problems += ["import cycle: " + " -> ".join(c) for c in cycles(graph)]
     assert not problems, "\n".join(problems)
+
+
+def test_nothing_imports_the_train_and_evaluate_entry_points():
+    """`train`, `evaluate`, `aot` and the benchmarks build through `marljax.build`: no module of the package
+    and no script in bench/ reaches into `train` or `evaluate`."""
+    root = package_root()
+    graph = import_graph(package_sources(root))
+    for script in sorted((root.parent / "bench").glob("*.py")):
+        graph[str(script.relative_to(root.parent))] = [
+            (a.name if isinstance(node, ast.Import) else node.module or "", node.lineno)
+            for node in ast.walk(ast.parse(script.read_text())) if isinstance(node, (ast.Import, ast.ImportFrom))
+            for a in node.names]
+    into = [f"{m}:{line} imports {t}" for m, edges in sorted(graph.items()) for t, line in edges
+            if t in IMPORTED_BY_NOTHING]
+    assert len(graph) > 40 and not into, "\n".join(into)
 
 
 def test_the_checker_finds_an_upward_import_a_forbidden_one_and_a_cycle():

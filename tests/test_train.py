@@ -243,3 +243,52 @@ def test_rollout_pools_are_freed_before_the_update(tmp_path, monkeypatch):
                                                                train_batch(*a, **k))[1])
     train_main([*TINY, "workflow=voting", "steps=1", f"run_dir={tmp_path}", "eval.at_start=false", "eval.every=0"])
     assert max(seen) == cfg.num_layers and live_at_update == [0]
+
+
+def _set(loss, grad_norm, nonfinite=0.0):
+    from marljax.rl.step_metrics import SetMetrics
+    return SetMetrics(loss=loss, grad_norm=grad_norm, update_norm=0.1, nonfinite=nonfinite, applied=1.0)
+
+
+def test_a_steps_record_is_made_from_its_typed_fields():
+    """The loop decides on typed fields (`BatchMetrics.loss`, `.grad_norm`, `.nonfinite`: over the policy's
+    sets, a set that did not train counting 0 to the norm and nothing to the loss) and `TrainRecord.record`
+    makes the strings, in the order the log has always had."""
+    from marljax.rl.step_metrics import BatchMetrics, StepTimes, TrainRecord
+    m = BatchMetrics(roles={}, sets={"b": _set(0.5, 3.0), "a": _set(1.5, 4.0)}, cos={},
+                     opt_steps={"a": 1, "b": 1, "c": 0})
+    assert (m.loss, m.grad_norm, m.nonfinite) == (1.0, 5.0, False)
+    assert BatchMetrics({}, {"a": _set(1.0, 1.0, nonfinite=1.0)}, {}, {"a": 0}).nonfinite
+    assert BatchMetrics({}, {"a": _set(float("nan"), 1.0)}, {}, {"a": 0}).nonfinite
+    assert np.isnan(BatchMetrics({}, {}, {}, {"a": 0}).loss)
+    done = TrainRecord(step=3, lr=0.1, rollout={"reward/mean": 0.5}, advantages={"adv/n_groups": 2.0}, update=m,
+                       n_samples={"generator": 6, "aggregator": 0}, response_tokens=40,
+                       times=StepTimes(rollout_s=1.0, update_s=0.5, step_s=2.0), dominant_share=0.75,
+                       dominant_role=None, length_drift={"generator": 1.25})
+    record = done.record()
+    assert list(record) == ["step", "lr", "reward/mean", "adv/n_groups", *m.record(), "role/generator/n_samples",
+                            "role/aggregator/n_samples", "loss", "grad_norm", "time/rollout_s", "time/update_s",
+                            "time/step_s", "throughput/response_tok_s", "diag/dominant_share",
+                            "role/generator/length_drift"]
+    tail = {k: record[k] for k in ("role/generator/n_samples", "role/aggregator/n_samples", "loss", "grad_norm",
+                                   "throughput/response_tok_s", "diag/dominant_share", "role/generator/length_drift")}
+    assert tail == {"role/generator/n_samples": 6, "role/aggregator/n_samples": 0, "loss": 1.0, "grad_norm": 5.0,
+                    "throughput/response_tok_s": 20.0, "diag/dominant_share": 0.75,
+                    "role/generator/length_drift": 1.25}
+    assert "diag/dominant_role" not in record and record["set/a/opt_steps"] == 1 and record["set/c/opt_steps"] == 0
+
+
+def test_the_sampling_section_builds_the_samplers_settings():
+    """`SamplingSection.build` carries every setting the policy sampler takes (nobody copies them by hand):
+    each field of `SamplerSettings` but the codec's stop ids is the section's field of that name."""
+    import dataclasses
+
+    from marljax.policy_sampler import SamplerSettings
+    cfg = load_config(None, ["sampling.max_new_tokens=7", "sampling.top_k=5", "sampling.num_slots=3",
+                             "sampling.chunk_steps=4", "sampling.mix_sets=true", "sampling.admission=optimistic"])
+    settings = cfg.sampling.build((2, 9))
+    assert settings.stop_token_ids == (2, 9)
+    for f in dataclasses.fields(SamplerSettings):
+        if f.name != "stop_token_ids":
+            assert getattr(settings, f.name) == getattr(cfg.sampling, f.name), f.name
+    assert (settings.max_new_tokens, settings.top_k, settings.num_slots, settings.mix_sets) == (7, 5, 3, True)

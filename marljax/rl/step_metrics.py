@@ -9,8 +9,10 @@ flat `role/<r>/<name>`, `set/<s>/<name>`, `cos/<a>/<b>` strings at the logging e
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
+import numpy as np
 from flax import struct
 
 
@@ -64,6 +66,23 @@ class BatchMetrics:
     # between its mini-batches' gradients in the step (`marljax.rl.coherence`); only roles with ≥ 2 of them
     agent_grad_cos: dict[str, float] = dataclasses.field(default_factory=dict)
     minibatch_grad_cos: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def loss(self) -> float:
+        """The step's loss: the mean over the sets that trained (the policy's order: `opt_steps`) of each
+        set's loss; NaN when none did."""
+        losses = [self.sets[s].loss for s in self.opt_steps if s in self.sets]
+        return float(np.mean(losses)) if losses else float("nan")
+
+    @property
+    def grad_norm(self) -> float:
+        """√(Σ over the policy's sets of ‖G_s‖²), a set that did not train counting 0."""
+        return float(np.sqrt(sum((self.sets[s].grad_norm if s in self.sets else 0.0) ** 2 for s in self.opt_steps)))
+
+    @property
+    def nonfinite(self) -> bool:
+        """The update was skipped somewhere: a non-finite loss, or a set whose loss or gradient was not finite."""
+        return not math.isfinite(self.loss) or any(bool(m.nonfinite) for m in self.sets.values())
 
     def record(self) -> dict:
         """The flat metrics record: `role/<r>/<name>` (the coherence cosines too), `set/<s>/<name>`,
@@ -120,3 +139,48 @@ def average(steps: list[StepMetrics], sets: tuple[str, ...]) -> BatchMetrics:
            for pair in dict.fromkeys(p for m in steps for p in m.cos)}
     opt_steps = {s: sum(int(m.sets[s].applied > 0) for m in steps if s in m.sets) for s in sets}
     return BatchMetrics(roles, out_sets, cos, opt_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimes:
+    """Wall seconds of one training step: its rollout, its update, the whole step."""
+
+    rollout_s: float
+    update_s: float
+    step_s: float
+
+
+@dataclasses.dataclass
+class TrainRecord:
+    """One training step, typed: the loop decides on its fields, and `record` makes the flat log record.
+
+    `rollout` and `advantages` are flat already (`marljax.workflows.metrics.rollout_metrics`,
+    `rl.advantages.Advantages.metrics`): the workflow layer's own logging edge."""
+
+    step: int
+    lr: float
+    rollout: dict[str, float]
+    advantages: dict[str, float]
+    update: BatchMetrics
+    n_samples: dict[str, int]  # per workflow role: its calls in the batch (empty responses too)
+    response_tokens: int  # response tokens the update trained on
+    times: StepTimes
+    dominant_share: float  # `DominanceTracker.index()`
+    dominant_role: str | None
+    length_drift: dict[str, float]  # per role with calls: mean response length / its first (`LengthDrift`)
+
+    def record(self) -> dict:
+        """`step`, `lr`, the rollout's and the advantages' metrics, the update's (`BatchMetrics.record`),
+        `role/<r>/n_samples`, `loss`, `grad_norm`, `time/…`, `throughput/response_tok_s`,
+        `diag/dominant_share` (and `diag/dominant_role` when one dominates), `role/<r>/length_drift`."""
+        t = self.times
+        out = {"step": self.step, "lr": self.lr, **self.rollout, **self.advantages, **self.update.record()}
+        out.update({f"role/{r}/n_samples": n for r, n in self.n_samples.items()})
+        out.update({"loss": self.update.loss, "grad_norm": self.update.grad_norm,
+                    "time/rollout_s": t.rollout_s, "time/update_s": t.update_s, "time/step_s": t.step_s,
+                    "throughput/response_tok_s": self.response_tokens / max(t.step_s, 1e-9),
+                    "diag/dominant_share": self.dominant_share})
+        if self.dominant_role is not None:
+            out["diag/dominant_role"] = self.dominant_role
+        out.update({f"role/{r}/length_drift": v for r, v in self.length_drift.items()})
+        return out
