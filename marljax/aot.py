@@ -269,21 +269,16 @@ def _compile(traced) -> tuple[tuple[int, int, int, int], dict, str, int]:
             mem.temp_size_in_bytes), dict(cost or {}), "", mem.peak_memory_in_bytes
 
 
-def _abstract_model(cfg, devices, layers: int | None):
-    """(model config, mesh, rules, the `Decoder` as abstract shapes) of a cell's config on `devices`;
-    `layers` overrides the layer count (tests)."""
-    from flax import nnx
-
-    from marljax import sharding
-    from marljax.models.decoder import Decoder
+def _cell_policy(cfg, devices, layers: int | None):
+    """The `build.Policy` of a cell's config on `devices`, its model as shapes (`build.abstract_policy`:
+    nothing allocated); `layers` overrides the layer count (tests)."""
+    from marljax.build import abstract_policy
     from marljax.models.presets import PRESETS
 
-    model_cfg = dataclasses.replace(PRESETS[cfg.model], dtype=cfg.dtype)
+    model_cfg = dataclasses.replace(PRESETS[cfg.model], dtype=cfg.dtype, param_dtype=cfg.param_dtype)
     if layers is not None:
         model_cfg = dataclasses.replace(model_cfg, num_layers=layers)
-    mesh = sharding.make_mesh(cfg.mesh, devices=devices)
-    rules = sharding.get_rules(cfg.mesh, mesh)
-    return model_cfg, mesh, rules, nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
+    return abstract_policy(cfg, model_cfg, devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,22 +323,23 @@ def compile_cell(cell, cfg, accelerator: str, acc, *, shape: str = "long", atten
                  length: int | None = None) -> Compiled:
     """Compile one micro-batch of `cell`'s update (a `marljax.matrix.Cell`, with its config `cfg` and `acc`
     the `marljax.matrix.Accelerator` named `accelerator`) for that accelerator's topology: the trainer's
-    jitted forward/backward of one role's micro-batch (`Trainer._role_part`, what `accumulated_update`
-    runs per micro-batch) at `update_shapes(...)[shape]`, with everything the step keeps on the chips
-    during that call as live arguments (kept and returned): the frozen base, the whole `TrainState`
-    (every set's parameters, Adam moments, damping EMAs) and the gradient sums of every role (the
-    others' finished, this role's running total) — XLA's TPU compiler spends the HBM it is not told about
-    on temporaries. `attention`: `rl.attention`; `logprob_bytes`: the log-prob chunks' budget (None: the
-    trainer's); `layers` / `length`: override the layer count and the long row's length (tests). The
-    matrix's memory model of the same step is the caller's to add (`model_arguments`, `model_temp`)."""
+    forward/backward of one role's micro-batch (`Trainer.role_part`, what `accumulated_update` jits per
+    micro-batch) at `update_shapes(...)[shape]`, with everything the step keeps on the chips during that
+    call as live arguments (kept and returned): the frozen base, the whole `TrainState` (every set's
+    parameters, Adam moments, damping EMAs) and the gradient sums of every role (the others' finished,
+    this role's running total) — XLA's TPU compiler spends the HBM it is not told about on temporaries.
+    The trainer and its state are `train`'s (`_abstract_trainer`). `attention`: `rl.attention`;
+    `logprob_bytes`: the log-prob chunks' budget (None: the trainer's); `layers` / `length`: override the
+    layer count and the long row's length (tests). The matrix's memory model of the same step is the
+    caller's to add (`model_arguments`, `model_temp`)."""
     devices = topology_devices(accelerator)
     import jax
     import jax.numpy as jnp
 
     from marljax import sharding
 
-    trainer, model_cfg, lora_cfg, mesh, rules, state, p_sh = _abstract_trainer(cfg, devices, layers, attention,
-                                                                                logprob_bytes)
+    trainer, policy, state = _abstract_trainer(cfg, devices, layers, attention, logprob_bytes)
+    mesh, rules = policy.mesh, policy.rules
     data, fsdp, tensor = (mesh.shape[a] for a in sharding.MESH_AXES)
     chips = data * fsdp
     sh = update_shapes(cell, cfg.rl.micro_batch_tokens, chips, length=length)[shape]
@@ -351,11 +347,11 @@ def compile_cell(cell, cfg, accelerator: str, acc, *, shape: str = "long", atten
     set_of = trainer.cfg.set_of
     # every role's gradient sums, laid out like its set (f32, as `RolePart.grad`): the role's own running
     # total and the others' finished sums
-    sums = {r: _abstract(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32),
-                                      state.params[set_of(r)]), p_sh[set_of(r)]) for r in cell.roles}
+    sums = {r: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding),
+                            state.params[set_of(r)]) for r in cell.roles}
     base = _abstract(trainer.base_state, sharding.param_shardings(trainer.base_state, mesh, rules))
     part = jax.jit(lambda base, state, sums, batch: (
-        trainer._role_part(base, state.params[set_of(sh.role)], batch, role=sh.role, recompute_old=False),
+        trainer.role_part(base, state.params[set_of(sh.role)], batch, role=sh.role, recompute_old=False),
         state, sums), donate_argnums=(1, 2), keep_unused=True)
     t0 = time.perf_counter()
     with sharding.use_mesh(mesh, rules):
@@ -366,50 +362,27 @@ def compile_cell(cell, cfg, accelerator: str, acc, *, shape: str = "long", atten
                     role=sh.role, rows=sh.rows, length=sh.length, response=sh.response, program=program,
                     hbm_bytes=int(acc.hbm_gb * GiB), flops=traced_flops(traced.jaxpr) / (data * fsdp * tensor),
                     bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-                    model_flops=_model_flops(model_cfg, lora_cfg, sh) / chips,
+                    model_flops=_model_flops(policy.model.config, policy.lora_cfg, sh) / chips,
                     peak_flops=acc.tflops * 1e12, hbm_bandwidth=acc.hbm_gbs * 1e9, compile_s=compile_s)
 
 
 def _abstract_trainer(cfg, devices, layers, attention, logprob_bytes):
-    """The trainer `train.Run` builds for `cfg` (with `attention` and `logprob_bytes`), as abstract shapes on
-    `devices`: (trainer, model config, LoRA config, mesh, rules, abstract `TrainState` with its shardings,
-    the parameter shardings per set)."""
+    """The trainer `train` builds for `cfg` (`marljax.build`: `build_workflow`, `fresh_params`,
+    `build_trainer`), with `attention` and `logprob_bytes`, over the cell's model as shapes on `devices`:
+    (trainer, the `build.Policy`, the step-0 `TrainState` as shapes carrying their shardings)."""
     import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
-    from marljax import sharding
+    from marljax.build import build_trainer, build_workflow, fresh_params
     from marljax.config import resolve
-    from marljax.models.lora import init_lora
-    from marljax.rl import policy_map as pm
-    from marljax.rl.state import TrainState
-    from marljax.rl.step import Trainer
 
-    model_cfg, mesh, rules, model = _abstract_model(cfg, devices, layers)
     cfg = resolve(cfg)
-    workflow = cfg.workflow.build()
-    policy = pm.from_config(cfg.policy, workflow.roles)
-    lora_cfg = cfg.lora.build()
-    step_cfg = dataclasses.replace(
-        cfg.rl.step(dict(policy.route), workflow.same_role_counts(), cfg.sampling.temperature,
-                    lora_cfg.scale if lora_cfg else None), attention=attention, logprob_bytes=logprob_bytes)
-    optimizer = cfg.optim.build()
-    if lora_cfg is not None:
-        params = {s: jax.eval_shape(lambda: init_lora(model_cfg, lora_cfg, jax.random.key(0))) for s in policy.sets}
-    else:  # full fine-tuning trains float32 master weights (models.decoder.trainable_params)
-        params = {s: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), nnx.state(model, nnx.Param))
-                  for s in policy.sets}
-    p_sh = {s: sharding.trainable_shardings(p, model, mesh, rules, replicate_lora=cfg.mesh.lora == "replicated")
-            for s, p in params.items()}
-    o_sh = {s: sharding.optimizer_shardings(optimizer, p, p_sh[s], mesh) for s, p in params.items()}
-    e_sh = {r: p_sh[s] for r, s in policy.route.items()} if step_cfg.damping_lambda > 0 else {}
-    replicated = sharding.replicated(mesh)
-    trainer = Trainer(model, step_cfg, optimizer, out_shardings=(TrainState(p_sh, o_sh, e_sh, replicated), replicated))
-    state = TrainState(params=_abstract(params, p_sh),
-                       opt_state=_abstract({s: jax.eval_shape(optimizer.init, p) for s, p in params.items()}, o_sh),
-                       ema=_abstract({x: params[policy.route[x]] for x in e_sh}, e_sh),
-                       step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
-    return trainer, model_cfg, lora_cfg, mesh, rules, state, p_sh
+    policy = _cell_policy(cfg, devices, layers)
+    workflow, policy_map = build_workflow(cfg)
+    params = jax.eval_shape(lambda model: fresh_params(model, policy.lora_cfg, cfg.seed, policy_map.sets),
+                            policy.model)
+    trainer, shardings = build_trainer(cfg, policy, workflow, policy_map, params, attention=attention,
+                                       logprob_bytes=logprob_bytes)
+    return trainer, policy, _abstract(jax.eval_shape(trainer.init_state, params), shardings)
 
 
 def _abstract_batch(mesh, rules, rows: int, T: int, R: int):
@@ -509,103 +482,147 @@ class CompiledEngine:
 
 def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float = 0.0, layers: int | None = None,
                    steps: int | None = None, sets: int = 0) -> CompiledEngine:
-    """Compile `cell`'s rollout engine (`marljax.engine.engine`'s jitted `_prefill` and `_decode_chunk`)
-    for `accelerator`'s topology, with abstract arguments: the cell's model (`cfg.model`, `cfg.dtype`;
-    `layers` overrides its layer count, for tests) sharded as the sampler shards it (the cell's mesh and
-    rules), the per-layer copy of its layers the sampler decodes with (`sampling.layer_weights`: one
+    """Compile `cell`'s rollout engine (`marljax.engine.engine`'s jitted `prefill_program` and
+    `decode_program`) for `accelerator`'s topology, with abstract arguments (`_engine_inputs`): the cell's
+    model (`build.abstract_policy`; `layers` overrides its layer count, for tests) sharded as the sampler
+    shards it, the per-layer copy of its layers the sampler decodes with (`sampling.layer_weights`: one
     parameter set's LoRA folded in; or, with `sets` > 0, the base's own, every row adding its set's
     adapter: `sets` float32 LoRA sets of `cfg.lora` stacked once per batch rank, each rank's copy on its
-    shard, as `engine.Stream` places them), the
-    page pool of `plan` (`marljax.matrix.engine_plan`: one pool per batch rank, its pages in the
-    cell's dtype), the TPU kernel path of the paged attention. Decode: `plan.slots` rows per rank, each
-    with a page table as wide as the cell's longest sequence, `steps` steps per chunk (default: the
-    engine's, `CHUNK_STEPS`). Prefill: one row per rank, one chunk (`plan.prefill_chunk` positions) of
-    the cell's longest prompt attending all of that prompt's pages. Per chip: each program's bytes (arguments + outputs + temp −
-    aliased: the donated pool aliases its output), and one decode step's FLOPs and bytes for a roofline
-    (XLA counts the chunk's while-loop body, one step, once; the kernel's reads are added as every page
-    of the pool read once per step, an upper bound). What the run holds beside the engine's arguments
-    — the base's stacked layers (the decode reads the per-layer copy; XLA would drop them as unread)
-    and `held_bytes` per chip (the caller's: LoRA sets and Adam moments, as one array) — stays in both
-    programs as live arguments (kept, the held array donated and returned): XLA's TPU compiler spends
-    whatever HBM it is not told about on temporaries (measured: cutting the pool by 1.6 GiB raised the
-    decode chunk's temp by 1.55 GiB), so the fit is only checked with everything resident inside the
-    program."""
+    shard, as `engine.Stream` places them), the page pool of `plan` (`marljax.matrix.engine_plan`: one
+    pool per batch rank, its pages in the cell's dtype), the TPU kernel path of the paged attention.
+    Decode: `plan.slots` rows per rank, each with a page table as wide as the cell's longest sequence,
+    `steps` steps per chunk (default: the engine's, `CHUNK_STEPS`). Prefill: one row per rank, one chunk
+    (`plan.prefill_chunk` positions) of the cell's longest prompt attending all of that prompt's pages.
+    Per chip: each program's bytes (arguments + outputs + temp − aliased: the donated pool aliases its
+    output), and one decode step's FLOPs and bytes for a roofline (XLA counts the chunk's while-loop
+    body, one step, once; the kernel's reads are added as every page of the pool read once per step, an
+    upper bound). What the run holds beside the engine's arguments — the base's stacked layers (the
+    decode reads the per-layer copy; XLA would drop them as unread) and `held_bytes` per chip (the
+    caller's: LoRA sets and Adam moments, as one array) — stays in both programs as live arguments (kept,
+    the held array donated and returned): XLA's TPU compiler spends whatever HBM it is not told about on
+    temporaries (measured: cutting the pool by 1.6 GiB raised the decode chunk's temp by 1.55 GiB), so
+    the fit is only checked with everything resident inside the program."""
     devices = topology_devices(accelerator)
+    from marljax import sharding
+    from marljax.engine.engine import CHUNK_STEPS
+    from marljax.models.presets import PRESETS
+    from marljax.shapes import page_bucket
+
+    policy = _cell_policy(cfg, devices, layers)
+    x = _engine_inputs(policy, plan, held_bytes, sets)
+    rows, width = plan.ranks * plan.slots, page_bucket(-(-plan.context // plan.page_size))
+    t0 = time.perf_counter()
+    with sharding.use_mesh(policy.mesh, policy.rules):
+        decode = _compile_decode(x, cfg, rows, width, CHUNK_STEPS if steps is None else steps)
+        prefill = _compile_prefill(x, plan)
+    compile_s = time.perf_counter() - t0
+    pool_chip = plan.pool_bytes * (policy.model.config.num_layers / PRESETS[cfg.model].num_layers)
+    return CompiledEngine(
+        cell=cell.name, accelerator=accelerator, mesh=tuple(policy.mesh.shape[a] for a in sharding.MESH_AXES),
+        plan=plan, rows=rows, width=width, prefill_rows=plan.ranks, prefill_length=plan.prefill_chunk,
+        prefill=prefill[0], decode=decode[0], hbm_bytes=int(acc.hbm_gb * GiB), page_bytes=pool_chip / plan.pages,
+        held_bytes=x.stacked_bytes + held_bytes, step_flops=float(decode[1].get("flops", 0.0)),
+        step_bytes=float(decode[1].get("bytes accessed", 0.0)) + pool_chip,
+        peak_flops=acc.tflops * 1e12, hbm_bandwidth=acc.hbm_gbs * 1e9, compile_s=compile_s, sets=sets)
+
+
+@dataclasses.dataclass(frozen=True)
+class _EngineInputs:
+    """A cell's engine arguments as shapes carrying their shardings (`compile_engine`)."""
+
+    graphdef: object
+    state: object  # the base's state (its stacked layers)
+    layers: list  # the per-layer copy of the layers the sampler decodes with
+    pool: list  # per layer, the page pools of every batch rank
+    held: object  # what the run holds beside the engine: one uint8 array split over every chip
+    lora: dict | None  # the per-row adapters of `sets` LoRA sets, or None (one set merged)
+    stacked_bytes: float  # the base's stacked layers, per chip
+    arr: object  # (dtype, logical axes, *dims) -> a `jax.ShapeDtypeStruct` on the mesh
+
+
+def _engine_inputs(policy, plan, held_bytes: float, sets: int) -> _EngineInputs:
+    """`compile_engine`'s arguments for `policy` (`build.abstract_policy`) and the pool of `plan`."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from marljax import sharding
-    from marljax.engine.engine import CHUNK_STEPS, _decode_chunk, _prefill
     from marljax.engine.kv_pages import pool_shape
-    from marljax.models.presets import PRESETS
-    from marljax.shapes import page_bucket
 
-    model_cfg, mesh, rules, model = _abstract_model(cfg, devices, layers)
-    dims = tuple(mesh.shape[a] for a in sharding.MESH_AXES)
-    graphdef, state = nnx.split(model)
+    mesh, rules, model_cfg = policy.mesh, policy.rules, policy.model.config
+    graphdef, state = nnx.split(policy.model)
     state_sh = sharding.param_shardings(state, mesh, rules)
-    state_abs = _abstract(state, state_sh)
     layer_abs = jax.eval_shape(lambda st: nnx.merge(graphdef, st).layer_list(), state)
     layer_sh = {k: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*v.get_value().spec[1:]))
                 for k, v in state_sh["layers"].items()}
-    layer_abs = [_abstract(layer, {k: layer_sh[k] for k in layer}) for layer in layer_abs]
 
-    def arr(dtype, axes, *dims_):
-        spec = sharding.logical_spec(axes, dims_, mesh, rules)
-        return jax.ShapeDtypeStruct(dims_, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+    def arr(dtype, axes, *dims):
+        spec = sharding.logical_spec(axes, dims, mesh, rules)
+        return jax.ShapeDtypeStruct(dims, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
 
     shape = pool_shape(model_cfg, plan.pages, plan.page_size, plan.ranks)
     pool = [{"kv": arr(model_cfg.jnp_dtype, ("batch", None, None, "act_kv_heads", "head_dim"), *shape)}
             for _ in range(model_cfg.num_layers)]
-    rows, width = plan.ranks * plan.slots, page_bucket(-(-plan.context // plan.page_size))
-    n, T = plan.ranks, plan.prefill_chunk  # the widest chunk of the longest prompt, its pages attended
-    sampling = dict(temperature=float(cfg.sampling.temperature), top_p=float(cfg.sampling.top_p),
-                    top_k=int(cfg.sampling.top_k))
-    pool_chip = plan.pool_bytes * (model_cfg.num_layers / PRESETS[cfg.model].num_layers)
-    stacked = sum(_chip_bytes(v.get_value(), state_sh["layers"][k].get_value()) for k, v in state["layers"].items())
-    chips = len(devices)
-    held = jax.ShapeDtypeStruct((chips * max(1, int(held_bytes)),), jnp.uint8, sharding=jax.sharding.NamedSharding(
+    held = jax.ShapeDtypeStruct((mesh.size * max(1, int(held_bytes)),), jnp.uint8, sharding=jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec(sharding.MESH_AXES)))  # split over every chip
+    stacked = sum(_chip_bytes(v.get_value(), state_sh["layers"][k].get_value()) for k, v in state["layers"].items())
+    layers = [_abstract(layer, {k: layer_sh[k] for k in layer}) for layer in layer_abs]
+    return _EngineInputs(graphdef, _abstract(state, state_sh), layers, pool, held,
+                         _row_adapters(policy, plan, sets, arr), stacked, arr)
 
-    lora = None
-    if sets:
-        from marljax.models.lora import init_lora, stack_adapters
-        lora_cfg = cfg.lora.build()
-        if lora_cfg is None:
-            raise AotError("compile_engine(sets=…) needs a LoRA config: per-row adapters are LoRA's.")
-        adapters = jax.eval_shape(lambda: stack_adapters([init_lora(model_cfg, lora_cfg, jax.random.key(0))] * sets))
-        G = plan.ranks * sets
-        per_rank = lambda x: arr(x.dtype, ("batch",) + (None,) * (x.ndim - 1), G, *x.shape[1:])  # noqa: E731
-        lora = {"lora": jax.tree.map(per_rank, adapters),
-                "lora_scale": arr(jnp.float32, ()), "lora_groups": arr(jnp.int32, (None,), G)}
 
-    def holding(fn, **static):  # fn(graphdef, *arrays), every argument kept (the stacked layers too) and
-        # `held` live throughout; the pool donated
-        return jax.jit(lambda held, *arrays: (fn(graphdef, *arrays, **static), held), donate_argnums=(0, 3),
-                       keep_unused=True)
+def _row_adapters(policy, plan, sets: int, arr) -> dict | None:
+    """The decode's per-row LoRA arguments for `sets` sets, stacked once per batch rank (None: 0 sets)."""
+    if not sets:
+        return None
+    import jax
+    import jax.numpy as jnp
 
-    t0 = time.perf_counter()
-    with sharding.use_mesh(mesh, rules):
-        decode_traced = holding(_decode_chunk, steps=CHUNK_STEPS if steps is None else steps, stops=(0,),
-                                attention="kernel", **sampling).trace(
-            held, state_abs, layer_abs, pool, None, arr(jnp.int32, ("batch", None), rows, width),
-            *(arr(jnp.int32, ("batch",), rows) for _ in range(3)), arr(jnp.bool_, ("batch",), rows),
-            arr(jnp.uint32, ("batch", None), rows, 2), arr(jnp.int32, ()), lora, None)
-        decode = _program(*_compile(decode_traced))
-        prefill_traced = holding(_prefill, attention="kernel").trace(
-            held, state_abs, layer_abs, pool, arr(jnp.int32, ("batch", None), n, T), arr(jnp.int32, ("batch",), n),
-            arr(jnp.int32, ("batch", None), n, page_bucket(-(-plan.prompt // plan.page_size))),
-            arr(jnp.int32, ("batch",), n), lora)
-        prefill = _program(*_compile(prefill_traced))
-    compile_s = time.perf_counter() - t0
-    return CompiledEngine(
-        cell=cell.name, accelerator=accelerator, mesh=dims, plan=plan, rows=rows, width=width,
-        prefill_rows=n, prefill_length=T, prefill=prefill[0], decode=decode[0], hbm_bytes=int(acc.hbm_gb * GiB),
-        page_bytes=pool_chip / plan.pages, held_bytes=stacked + held_bytes,
-        step_flops=float(decode[1].get("flops", 0.0)),
-        step_bytes=float(decode[1].get("bytes accessed", 0.0)) + pool_chip,
-        peak_flops=acc.tflops * 1e12, hbm_bandwidth=acc.hbm_gbs * 1e9, compile_s=compile_s, sets=sets)
+    from marljax.models.lora import init_lora, stack_adapters
+    if policy.lora_cfg is None:
+        raise AotError("compile_engine(sets=…) needs a LoRA config: per-row adapters are LoRA's.")
+    adapters = jax.eval_shape(lambda: stack_adapters([init_lora(policy.model.config, policy.lora_cfg,
+                                                                jax.random.key(0))] * sets))
+    G = plan.ranks * sets
+    per_rank = lambda x: arr(x.dtype, ("batch",) + (None,) * (x.ndim - 1), G, *x.shape[1:])  # noqa: E731
+    return {"lora": jax.tree.map(per_rank, adapters), "lora_scale": arr(jnp.float32, ()),
+            "lora_groups": arr(jnp.int32, (None,), G)}
+
+
+def _holding(x: _EngineInputs, fn, **static):
+    """`fn(graphdef, *arrays)` jitted with every argument kept (the stacked layers too) and `held` live
+    throughout (donated and returned); the pool donated."""
+    import jax
+    return jax.jit(lambda held, *arrays: (fn(x.graphdef, *arrays, **static), held), donate_argnums=(0, 3),
+                   keep_unused=True)
+
+
+def _compile_decode(x: _EngineInputs, cfg, rows: int, width: int, steps: int) -> tuple[Program, dict]:
+    """One decode chunk of `steps` steps over `rows` slots, page tables `width` pages wide."""
+    import jax.numpy as jnp
+
+    from marljax.engine.engine import decode_program
+    sp = cfg.sampling
+    traced = _holding(x, decode_program, steps=steps, stops=(0,), attention="kernel", temperature=float(sp.temperature),
+                      top_p=float(sp.top_p), top_k=int(sp.top_k)).trace(
+        x.held, x.state, x.layers, x.pool, None, x.arr(jnp.int32, ("batch", None), rows, width),
+        *(x.arr(jnp.int32, ("batch",), rows) for _ in range(3)), x.arr(jnp.bool_, ("batch",), rows),
+        x.arr(jnp.uint32, ("batch", None), rows, 2), x.arr(jnp.int32, ()), x.lora, None)
+    return _program(*_compile(traced))
+
+
+def _compile_prefill(x: _EngineInputs, plan) -> tuple[Program, dict]:
+    """One prefill chunk per batch rank: the widest chunk of the longest prompt, its pages attended."""
+    import jax.numpy as jnp
+
+    from marljax.engine.engine import prefill_program
+    from marljax.shapes import page_bucket
+    n, T = plan.ranks, plan.prefill_chunk
+    traced = _holding(x, prefill_program, attention="kernel").trace(
+        x.held, x.state, x.layers, x.pool, x.arr(jnp.int32, ("batch", None), n, T), x.arr(jnp.int32, ("batch",), n),
+        x.arr(jnp.int32, ("batch", None), n, page_bucket(-(-plan.prompt // plan.page_size))),
+        x.arr(jnp.int32, ("batch",), n), x.lora)
+    return _program(*_compile(traced))
 
 
 def _oom_available(message: str) -> int:

@@ -501,3 +501,8 @@ def _decode_chunk(graphdef, state, layers, pages, dense, table_bw, token_b, pos_
         pages = kv
     c["steps"] = c.pop("i")
     return pages, dense, sharding.replicate(c)  # the host reads them: on every host
+
+
+# The jitted programs under public names, for compiling them ahead of time (`marljax.aot`).
+prefill_program = _prefill
+decode_program = _decode_chunk

@@ -216,7 +216,7 @@ class Trainer:
         self._update_jit = jax.jit(self._update, static_argnames=("recompute_old",), donate_argnums=(1,),
                                    **extra)
         self._apply_jit = jax.jit(self._apply, donate_argnums=(0,), **extra)
-        self._part_jit = jax.jit(self._role_part, static_argnames=("role", "recompute_old"))
+        self._part_jit = jax.jit(self.role_part, static_argnames=("role", "recompute_old"))
         self._add_jit = jax.jit(RolePart.__add__, donate_argnums=(0,))
         self._finish_jit = jax.jit(RolePart.finish)
         self._agents_jit = jax.jit(self._agents_part, static_argnames=("role", "recompute_old"))
@@ -231,6 +231,12 @@ class Trainer:
                ) -> tuple[TrainState, StepMetrics]:
         """The jitted step (donates `state`); see the module docstring."""
         return self._update_jit(self.base_state, state, batches, lr, recompute_old=recompute_old)
+
+    def lower_update(self, state: TrainState, batches: dict[str, RoleBatch], lr, *, recompute_old
+                     ) -> jax.stages.Lowered:
+        """`update` lowered for these arguments (arrays or `jax.ShapeDtypeStruct`s) without running it: its
+        compiled program's memory and cost, for benchmarks."""
+        return self._update_jit.lower(self.base_state, state, batches, lr, recompute_old=recompute_old)
 
     def accumulated_update(self, state: TrainState, micro: dict[str, list[RoleBatch]], lr, *, recompute_old
                            ) -> tuple[TrainState, StepMetrics]:
@@ -278,7 +284,7 @@ class Trainer:
         """The role's `RolePart` over one batch per agent and `per_agent` with each agent's gradient added:
         one program, so the agents' forward/backward passes share its fixed costs (separate calls for 3
         voters cost ≈ 30% more than one call over all their rows; tiny-qwen3 on a CPU)."""
-        parts = [self._role_part(base, trainable, b, role=role, recompute_old=recompute_old) for b in batches]
+        parts = [self.role_part(base, trainable, b, role=role, recompute_old=recompute_old) for b in batches]
         for part in parts:
             per_agent = coherence_add(per_agent, part.grad)
         return functools.reduce(RolePart.__add__, parts), per_agent
@@ -382,8 +388,9 @@ class Trainer:
             trainable, batch, role, recompute_old, base)
         return RoleGrad(grad, loss, optax.tree.norm(grad), n_seq, terms, gap)
 
-    def _role_part(self, base, trainable, batch: RoleBatch, *, role: str, recompute_old: bool) -> RolePart:
-        """One micro-batch's `RolePart` of a role: its sums and the gradient of its Σ seq_b."""
+    def role_part(self, base, trainable, batch: RoleBatch, *, role: str, recompute_old: bool) -> RolePart:
+        """One micro-batch's `RolePart` of a role: its sums and the gradient of its Σ seq_b (traceable; what
+        `accumulated_update` jits per micro-batch, and `marljax.aot` compiles)."""
         (_, part), grad = jax.value_and_grad(self._role_sum, has_aux=True)(trainable, batch, role, recompute_old, base)
         return part._replace(grad=grad)
 
