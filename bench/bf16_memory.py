@@ -1,5 +1,6 @@
 """Compiled memory of one train step (XLA CPU `memory_analysis`, nothing allocated), float32 vs bfloat16
-compute: the trainer's jitted update on SmolLM2-135M shapes (LoRA rank 64 on all linear maps, one role),
+compute: the trainer's jitted update as `train` builds it (`marljax.build`) on SmolLM2-135M shapes (LoRA rank 64
+on all linear maps, one role),
 `rows` × `length` tokens, half of them response, with each remat policy. bfloat16 stores the frozen base
 in bfloat16 (param_dtype = dtype); the adapters and AdamW state stay float32 in both.
 
@@ -13,30 +14,30 @@ import dataclasses
 from benchdoc import machine, publish, smoke_config  # first (before jax); bench/ is on sys.path when a script here runs
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from marljax.models.decoder import Decoder
+from marljax.build import abstract_policy, build_trainer, build_workflow, fresh_params
+from marljax.config import load_config, resolve
 from marljax.models.presets import PRESETS
-from marljax.models.lora import LoRAConfig, init_lora
-from marljax.rl.step import RoleBatch, StepConfig, Trainer, make_optimizer
+from marljax.rl.step import RoleBatch
 
 MIB = 2 ** 20
 
 
 def step_memory(config, rows: int, length: int, remat: str, rank: int = 64):
-    """`memory_analysis()` of the trainer's update (LoRA on all linear maps) compiled for abstract inputs."""
-    lora = LoRAConfig(rank=rank, alpha=2 * rank)
-    model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
-    trainer = Trainer(model, StepConfig(route=(("r", "s"),), lora_scale=lora.scale, remat=remat),
-                      make_optimizer())
-    params = {"s": jax.eval_shape(lambda: init_lora(config, lora, jax.random.key(0)))}
+    """`memory_analysis()` of the trainer's update as `train` builds it (`marljax.build`: a single-agent
+    run, LoRA on all linear maps) over a model of `config`, compiled for abstract inputs."""
+    cfg = resolve(load_config(None, ["workflow=single", f"rl.remat={remat}", f"lora.rank={rank}",
+                                     f"lora.alpha={2 * rank}"]))
+    policy = abstract_policy(cfg, config)
+    workflow, policy_map = build_workflow(cfg)
+    params = jax.eval_shape(lambda model: fresh_params(model, policy.lora_cfg, 0, policy_map.sets), policy.model)
+    trainer, _ = build_trainer(cfg, policy, workflow, policy_map, params)
     state = jax.eval_shape(trainer.init_state, params)
     s, R = jax.ShapeDtypeStruct, length // 2
     f32 = jnp.float32
-    batch = {"r": RoleBatch(s((rows, length), jnp.int32), s((rows,), jnp.int32), s((rows, R), f32),
-                            s((rows,), f32), s((rows, R), f32), s((rows, R), f32), s((rows,), f32))}
-    lowered = trainer._update_jit.lower(trainer.base_state, state, batch, s((), f32), recompute_old=False)
-    return lowered.compile().memory_analysis()
+    batch = {workflow.roles[0]: RoleBatch(s((rows, length), jnp.int32), s((rows,), jnp.int32), s((rows, R), f32),
+                                          s((rows,), f32), s((rows, R), f32), s((rows, R), f32), s((rows,), f32))}
+    return trainer.lower_update(state, batch, s((), f32), recompute_old=False).compile().memory_analysis()
 
 
 def main():

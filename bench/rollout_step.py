@@ -6,7 +6,7 @@ with the LoRA B matrices perturbed (so the adapter is not a no-op). Contenders, 
 repeat (the machine drifts):
   before  `rollout` in lockstep over the static sampler (bench/static_sampler.py, `generate_static`): one
           call per stage and parameter set, each decoding until its longest row ends
-  after   `rollout` over the engine (`Run.rollout_sampler`: `PolicyStream`), each episode submitting its
+  after   `rollout` over the engine (`build.Policy.rollout_sampler`: `PolicyStream`), each episode submitting its
           aggregator call as soon as its 3 voters are back
   after-chunk16  the same with decode chunks of 16 steps (`sampling.chunk_steps`; default 32): a finished
           voter returns sooner, so its episode's aggregator call starts sooner (optional contender)
@@ -28,22 +28,34 @@ from benchdoc import machine, publish  # first (before jax); bench/ is on sys.pa
 import jax
 import numpy as np
 
-from marljax.config import load_config
+from marljax.build import Policy, build_policy, build_problems, build_workflow
+from marljax.config import Config, load_config, resolve
 from marljax.sampling import layer_weights
-from marljax.train import Run
 from marljax.workflows import Completion, EvalOpt, rollout
 from static_sampler import generate_static
 
 
-def static_sample_fn(run: Run, params: dict, temperature: float):
+def static_sample_fn(cfg: Config, policy: Policy, params: dict, temperature: float):
     """Today's sampler before the engine: per set one static-batch call, the set's LoRA folded once."""
-    sp = run.policy.sampler(run.cfg, params).settings
-    weights = {s: layer_weights(run.policy.model, a, run.policy.lora_cfg.scale) for s, a in params.items()}
+    sp = cfg.sampling.build(tuple(policy.codec.stop_token_ids))
+    weights = {s: layer_weights(policy.model, a, policy.lora_scale) for s, a in params.items()}
 
     def fn(set_name, prompts, seed):
-        out = generate_static(run.policy.model, prompts, sp.params(temperature, seed), layers=weights[set_name])
+        out = generate_static(policy.model, prompts, sp.params(temperature, seed), layers=weights[set_name])
         return [Completion(t, lp, not f) for t, lp, f in zip(out.tokens, out.logprobs, out.finished)]
     return fn
+
+
+def build_run(overrides: list[str]):
+    """configs/default.yaml with `overrides`, built as `train` builds it (`marljax.build`): (config, policy,
+    workflow, route, a fresh run's parameters with the LoRA B matrices perturbed, training step 1's problems)."""
+    cfg = resolve(load_config("configs/default.yaml", overrides))
+    policy = build_policy(cfg)
+    workflow, policy_map = build_workflow(cfg)
+    fresh = policy.init_params(cfg, policy_map.sets)
+    params = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape), fresh)
+    problems = build_problems(cfg).batch(1, cfg.rl.problems_per_step, cfg.seed)
+    return cfg, policy, workflow, dict(policy_map.route), params, problems
 
 
 def main():
@@ -56,19 +68,16 @@ def main():
     args = ap.parse_args()
     if not {"before", "after"} <= set(args.contenders):
         ap.error("--contenders needs before and after (their ratio is the result)")
-    cfg = load_config("configs/default.yaml", args.overrides)
-    run = Run(cfg)
-    params = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape), run.state.params)
-    T = run.cfg.sampling.temperature
-    problems = run.batch_problems(1)
+    cfg, policy, workflow, route, params, problems = build_run(args.overrides)
+    T = cfg.sampling.temperature
 
     def one(name, seed):
-        cfg = run.cfg if name != "after-chunk16" else dataclasses.replace(
-            run.cfg, sampling=dataclasses.replace(run.cfg.sampling, chunk_steps=16))
-        sampler = static_sample_fn(run, params, T) if name == "before" else run.policy.rollout_sampler(cfg, params, T)
+        c = cfg if name != "after-chunk16" else dataclasses.replace(
+            cfg, sampling=dataclasses.replace(cfg.sampling, chunk_steps=16))
+        sampler = static_sample_fn(cfg, policy, params, T) if name == "before" else policy.rollout_sampler(c, params, T)
         t = time.perf_counter()
-        ro = rollout(run.workflow, problems, sampler, run.policy.codec, run.route, n_rollouts=run.cfg.rl.rollouts,
-                     seed=seed, max_prompt_tokens=run.cfg.sampling.max_prompt_tokens)
+        ro = rollout(workflow, problems, sampler, policy.codec, route, n_rollouts=cfg.rl.rollouts,
+                     seed=seed, max_prompt_tokens=cfg.sampling.max_prompt_tokens)
         wall = time.perf_counter() - t
         return wall, sum(len(c.response_ids) for c in ro.calls), np.mean([e.reward for e in ro.episodes])
 
@@ -86,10 +95,10 @@ def main():
     # Prefill work on the engine: Voting's identical voter prompts, Eval-Opt's growing chat (prefix cache)
     prefill = {}
     for wf in ("voting", "eval_opt"):
-        workflow = dataclasses.replace(run.workflow, n_votes=3) if wf == "voting" else EvalOpt(worked_example=True)
-        sampler = run.policy.rollout_sampler(run.cfg, params, T)
-        route = {role: run.route.get(role, "shared") for role in workflow.roles}  # the shared set
-        ro = rollout(workflow, problems, sampler, run.policy.codec, route, n_rollouts=run.cfg.rl.rollouts, seed=0)
+        flow = dataclasses.replace(workflow, n_votes=3) if wf == "voting" else EvalOpt(worked_example=True)
+        sampler = policy.rollout_sampler(cfg, params, T)
+        shared = {role: route.get(role, "shared") for role in flow.roles}  # the shared set
+        ro = rollout(flow, problems, sampler, policy.codec, shared, n_rollouts=cfg.rl.rollouts, seed=0)
         stats = [s.stats for s in sampler.stream.streams.values()]
         prefill[wf] = (len(ro.calls), sum(len(c.prompt_ids) for c in ro.calls), sum(x.prefill_tokens for x in stats),
                        sum(x.cached_tokens for x in stats))
@@ -103,8 +112,8 @@ def main():
              f"{machine()}, jax {jax.__version__}; load average {load_start:.1f} at the start, "
              f"{os.getloadavg()[0]:.1f} at the end (other jobs shared the machine). configs/default.yaml: SmolLM2-135M-Instruct, Voting (3 voters "
              f"+ aggregator), shared LoRA on the last 4 layers (B perturbed), {len(problems)} problems × "
-             f"{run.cfg.rl.rollouts} rollouts = {len(problems) * run.cfg.rl.rollouts * 4} role calls, T = {T}, "
-             f"max {run.cfg.sampling.max_new_tokens} new tokens. before = lockstep `rollout` over the static "
+             f"{cfg.rl.rollouts} rollouts = {len(problems) * cfg.rl.rollouts * 4} role calls, T = {T}, "
+             f"max {cfg.sampling.max_new_tokens} new tokens. before = lockstep `rollout` over the static "
              "sampler (one call per stage); after = the engine, episodes advancing on their own. Contenders "
              "alternate, one rollout seed per repeat shared by both; compile excluded (one untimed rollout "
              "each first: first-run seconds in the last column).", "",

@@ -35,9 +35,9 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from marljax import sharding  # noqa: E402
+from marljax.build import Policy, state_shardings  # noqa: E402
 from marljax.models.decoder import Decoder, ModelConfig  # noqa: E402
 from marljax.models.lora import LoRAConfig, init_lora  # noqa: E402
-from marljax.rl.state import TrainState  # noqa: E402
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack  # noqa: E402
 from marljax.sampling import SamplingParams, generate  # noqa: E402
 from marljax.sharding import MeshConfig  # noqa: E402
@@ -67,15 +67,13 @@ def measure(mesh_cfg: MeshConfig | None, repeats: int) -> dict:
     model, opt = Decoder(CFG, rngs=nnx.Rngs(0)), make_optimizer()
     params = jax.jit(lambda: {s: init_lora(CFG, LORA, jax.random.key(i)) for i, s in enumerate(STEP.sets)})()
     ctx, out_shardings = contextlib.nullcontext(), None
-    if mesh_cfg is not None:
+    if mesh_cfg is not None:  # placed as `train` places them (`marljax.build.state_shardings`)
         mesh = sharding.make_mesh(mesh_cfg)
         rules = sharding.get_rules(mesh_cfg, mesh)
         sharding.shard_model(model, mesh, rules)
-        p_sh = {s: sharding.trainable_shardings(p, model, mesh, rules) for s, p in params.items()}
-        o_sh = {s: sharding.optimizer_shardings(opt, params[s], p_sh[s], mesh) for s in params}
-        params = jax.device_put(params, p_sh)
-        rep = sharding.replicated(mesh)
-        out_shardings = (TrainState(p_sh, o_sh, {}, rep), rep)
+        state_sh = state_shardings(Policy(mesh, rules, model, None, LORA), opt, params, {})
+        params = jax.device_put(params, state_sh.params)
+        out_shardings = (state_sh, sharding.replicated(mesh))
         ctx = sharding.use_mesh(mesh, rules)
     trainer = Trainer(model, STEP, opt, out_shardings=out_shardings)
     state = trainer.init_state(params)
