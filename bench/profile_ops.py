@@ -37,7 +37,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="a tiny random model (benchdoc.smoke_config): seconds")
     args = ap.parse_args()
     work = pathlib.Path(tempfile.mkdtemp(prefix="marljax-profile-"))
-    module = {"sampler": "_sample", "engine": "_decode_chunk", "step": "_update"}[args.what]
+    module = {"sampler": "_sample", "engine": "decode_chunk", "step": "_update"}[args.what]
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={work}/hlo "
                                f"--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*{module}.*")
     from marljax import host_memory

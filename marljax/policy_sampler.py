@@ -10,7 +10,7 @@ The engine keeps one page pool per batch rank of the mesh (`sharding.batch_ranks
 own rows' pages), so `num_slots` and `max_cache_tokens` are per rank: a rank decodes `num_slots`
 sequences at once and its pool holds `max_cache_tokens` KV positions (0: the pools grow as needed).
 With `mix_sets` the rows of every LoRA set decode in one batch, each applying its own adapter (per rank
-block, `engine.scheduler.block_groups`).
+block, `engine.batch.block_groups`).
 """
 from __future__ import annotations
 

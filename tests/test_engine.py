@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 
 from marljax.engine import Engine, cpu_attention
+from marljax.engine.batch import block_groups, stable_rows
 from marljax.engine.engine import prefill_chunk
 from marljax.engine.kv_pages import PagePool, page_bytes
-from marljax.engine.scheduler import block_groups, stable_rows
 from marljax.engine.paged_attention import (CHUNK_PATHS, gather_attention, interleave, kernel_cache_attention,
                                             length_groups, resolve_paged_attention, write_pages)
 from marljax.models.attention import attention
@@ -547,7 +547,7 @@ def _run_checked(engine, prompts, sp):
     base = jax.random.key(sp.seed)
     for i, p in enumerate(prompts):
         run.submit(p, jax.random.fold_in(base, i))
-    sched = run.sched
+    sched, queue = run.sched.table, run.sched.admitter  # the slots and pools; the queue and prefixes
 
     def held(k):
         refs = Counter()
@@ -555,7 +555,7 @@ def _run_checked(engine, prompts, sp):
             if q is not None and sched.rank_of(s) == k:
                 assert q.prefix.rank == k
                 refs.update(q.pages)
-        for (kk, _), p in sched.prefixes.items():
+        for (kk, _), p in queue.prefixes.items():
             if kk == k:
                 refs.update(p.full_pages + ([p.partial_page] if p.partial_page is not None else []))
         if sched.caches:
@@ -565,10 +565,10 @@ def _run_checked(engine, prompts, sp):
     ranks = []  # the rank each request was admitted on
     run.most_running = 0
     while not run.idle:
-        free, waiting = sum(q is None for q in sched.slots), len(sched.waiting)
+        free, waiting = sum(q is None for q in sched.slots), len(queue.waiting)
         run.step()
         if engine.num_pages is None:
-            assert waiting - len(sched.waiting) == min(waiting, free)
+            assert waiting - len(queue.waiting) == min(waiting, free)
         ranks += [(q.request, sched.rank_of(s)) for s, q in enumerate(sched.slots) if q is not None]
         run.most_running = max(run.most_running, sum(q is not None for q in sched.slots))
         for k, pool in enumerate(sched.pools):

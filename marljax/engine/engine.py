@@ -50,7 +50,8 @@ from marljax.engine.paged_attention import (CHUNK_PATHS, chunk_cache_attention, 
                                             gather_dense, init_dense, interleave, length_groups,
                                             paged_cache_attention, refresh_dense, resolve_paged_attention,
                                             write_dense, write_pages)
-from marljax.engine.scheduler import ADMISSIONS, Scheduler, block_groups, rank_rows
+from marljax.engine.batch import DecodeBatch, DecodeState, block_groups, rank_rows, to_host
+from marljax.engine.scheduler import ADMISSIONS, Scheduler
 from marljax.models.decoder import Decoder
 from marljax.models.lora import stack_adapters
 from marljax.shapes import bucket, bucket_rows, page_bucket
@@ -127,7 +128,7 @@ class Engine:
         (`submit(..., group=g)`) and one batch mixes them: each row adds its own adapter's
         lora_scale·(x A) B to the shared `layers` (`Decoder.hidden`'s `lora_groups`), no merged copy per
         set. The adapters' ragged matmul needs each group's rows contiguous: with rank blocks, the groups
-        are (rank, set), the adapters stacked once per rank (`scheduler.block_groups`)."""
+        are (rank, set), the adapters stacked once per rank (`batch.block_groups`)."""
         return Stream(self, params, self.model.layer_list() if layers is None else layers,
                       None if adapters is None else stack_adapters(adapters), lora_scale)
 
@@ -153,7 +154,7 @@ class Engine:
         s = run.sched
         return SampleOutput(tokens=s.tokens, logprobs=s.logprobs, finished=s.hit)
 
-    def _prefill(self, pages, layers, prefixes, lora):
+    def prefill(self, pages, layers, prefixes, lora):
         """Write each prompt's KV into its prefix's pages: the pool, the prompts' last hidden states [n, D]
         (in `prefixes`' order) and the number of jitted calls. Rows in rank blocks (each prefix in its
         rank's block, the rest idle on the null page); `lora`: the stream's stacked adapters, rows sorted
@@ -196,19 +197,30 @@ class Engine:
                 start_b[i] = s + c0
                 ends_here[i] = c0 <= m - 1 < c0 + C
                 last_b[i] = min(max(m - 1 - c0, 0), C - 1)
-            pages, h_be = _prefill(self.graphdef, self.state, layers, pages, tokens_bc, start_b, table_bw, last_b,
-                                   lora, attention=self.attention)
+            pages, h_be = prefill_program(self.graphdef, self.state, layers, pages, tokens_bc, start_b, table_bw,
+                                          last_b, lora, attention=self.attention)
             hidden_be = h_be if hidden_be is None else jnp.where(ends_here[:, None], h_be, hidden_be)
         return pages, hidden_be[row], len(starts)
 
     def release(self) -> None:
-        """Free the pool kept for the next stream (`_take_pool`), its device buffers at once (not when Python
+        """Free the pool kept for the next stream (`take_pool`), its device buffers at once (not when Python
         collects them): for a caller that runs other work between its sampling calls and needs the memory
         more than the allocation it saves (the trainer's update after a rollout)."""
         _delete(self._spare)
         self._spare = None
 
-    def _take_pool(self, num_pages: int) -> list[dict]:
+    @property
+    def spare_pages(self) -> int | None:
+        """Pages per rank of the pool kept for the next stream (`keep_pool`), None when none is kept."""
+        return None if self._spare is None else pool_pages(self._spare)
+
+    def keep_pool(self, pages: list[dict]) -> None:
+        """Keep a stream's page pool (its KV no longer read) for the engine's next stream (`take_pool`)."""
+        self._spare = pages
+
+    def take_pool(self, num_pages: int) -> list[dict]:
+        """A page pool of `num_pages` pages per rank for a new stream: the kept one if it is that size,
+        else a fresh one (the kept one dropped)."""
         spare, self._spare = self._spare, None
         if spare is not None and pool_pages(spare) == num_pages:
             return spare
@@ -222,15 +234,15 @@ class Stream:
                  lora_scale: float):
         self.engine, self.params, self.layers = engine, params, layers
         num_groups = 1 if lora is None else jax.tree.leaves(lora)[0].shape[0]
-        self.lora = None if lora is None else {  # one copy per rank block (`scheduler.block_groups`), on its shard
+        self.lora = None if lora is None else {  # one copy per rank block (`batch.block_groups`), on its shard
             "lora": jax.tree.map(lambda x: sharding.constrain(jnp.tile(x, (engine.ranks,) + (1,) * (x.ndim - 1)),
                                                               ("batch",) + (None,) * (x.ndim - 1)), lora),
             "lora_scale": jnp.float32(lora_scale)}
         cfg, ps = engine.model.config, engine.page_size
         self.growable = not engine.num_pages
-        spare = pool_pages(engine._spare) if engine._spare is not None else 2
+        spare = engine.spare_pages or 2
         self.pools = [PagePool(engine.num_pages or spare) for _ in range(engine.ranks)]  # one per rank
-        self.pages = engine._take_pool(self.num_pages)
+        self.pages = engine.take_pool(self.num_pages)
         self.sched = Scheduler(self.pools, engine.num_slots, ps, params.max_new_tokens, engine.share_prefixes,
                                num_groups, engine.admission, engine.chunk_steps, stable=lora is None)
         self.dense, self.dense_seqs = None, []  # the chunk path's dense caches and the sequence of each row
@@ -285,7 +297,7 @@ class Stream:
             self._grow(sched.demand())
         adm = sched.admit()
         if adm.prefill:
-            self.pages, hidden_be, calls = e._prefill(self.pages, self.layers, adm.prefill, self.lora)
+            self.pages, hidden_be, calls = e.prefill(self.pages, self.layers, adm.prefill, self.lora)
             for i, prefix in enumerate(adm.prefill):
                 prefix.hidden = hidden_be[i]
             sched.prefilled(adm.prefill)
@@ -306,11 +318,11 @@ class Stream:
         if sched.running:
             width = page_bucket(sched.grow(e.chunk_steps))
             b = sched.batch(width)
-            rows = len(b["token"])
-            lora = None if self.lora is None else {**self.lora, "lora_groups": b["groups"]}
-            order, widths, dense, table = None, None, None, b["page_table"]
+            rows = b.rows
+            lora = None if self.lora is None else {**self.lora, "lora_groups": b.lora_groups}
+            order, widths, dense, table = None, None, None, b.table_bw
             if resolve_paged_attention(e.attention) in CHUNK_PATHS:
-                order, widths = length_groups(b["held"], e.ranks, e.length_groups)
+                order, widths = length_groups(b.held_b, e.ranks, e.length_groups)
                 if len(widths) == 1:
                     dense, table = self._dense(b)
                     widths = (table.shape[1],)
@@ -318,15 +330,17 @@ class Stream:
                     self.dense = None
                 held = rows // len(widths) * sum(widths) * page_bytes(e.model.config, e.page_size)
                 stats.peak_dense_bytes = max(stats.peak_dense_bytes, held)
-            self.pages, self.dense, out = _decode_chunk(
-                e.graphdef, e.state, self.layers, self.pages, dense, table, b["token"], b["pos"], b["n_gen"],
-                b["live"], self.keys_qu[b["request"]], jnp.int32(self.params.max_new_tokens), lora, order,
-                steps=e.chunk_steps, stops=self.stops, attention=e.attention, widths=widths, **self.sampling)
-            out = jax.tree.map(np.asarray, out)
+            if table is not b.table_bw:
+                b = b.replace(table_bw=table)
+            self.pages, self.dense, out = decode_chunk(
+                e.graphdef, e.state, self.layers, self.pages, dense, b, self.keys_qu[b.request_b],
+                jnp.int32(self.params.max_new_tokens), lora, order, steps=e.chunk_steps, stops=self.stops,
+                attention=e.attention, widths=widths, **self.sampling)
+            out = to_host(out)
             stats.decode_chunks += 1
             stats.decode_rows += len(sched.rows)
-            stats.decode_steps += int(out["steps"]) * rows
-            sched.advance(out["tok"], out["logp"], out["n_gen"], out["token"], out["pos"], out["hit"], out["done"])
+            stats.decode_steps += int(out.step) * rows
+            sched.advance(out)
             if not sched.running:  # an idle stream holds no dense copy (streams of other sets may step now)
                 self.dense = None
         cfg = e.model.config
@@ -344,22 +358,22 @@ class Stream:
         stream, or with `release` freed too (`Engine.release`). Idempotent."""
         _delete(self.dense)
         if self.pages is not None:
-            self.engine._spare = self.pages
+            self.engine.keep_pool(self.pages)
         self.pages, self.dense, self.layers, self.lora = None, None, None, None
         if release:
             self.engine.release()
 
-    def _dense(self, b: dict) -> tuple[list[dict], np.ndarray]:
+    def _dense(self, b: DecodeBatch) -> tuple[list[dict], np.ndarray]:
         """The chunk path's dense caches for decode batch `b` (`scheduler.batch`, rows in place) and the
         page table they stand for. The last chunk's caches are kept where the rows are as many and the
         width is enough (the width never shrinks then: a narrower one would gather every row again), and
         only the rows that hold a new sequence are gathered into them (`refresh_dense`; the scheduler's
         stable rows keep the others in place); else every row is gathered anew (`gather_dense`)."""
-        table = b["page_table"]
+        table = b.table_bw
         rows, width = table.shape
         seqs = [None] * rows
         for r, s in self.sched.rows:
-            seqs[r] = self.sched.slots[s]
+            seqs[r] = self.sched.table.slots[s]
         dense, self.dense = self.dense, None
         kept = 0 if dense is None else dense[0]["k"].shape[-1] // self.engine.page_size
         if dense is not None and dense[0]["k"].shape[0] == rows and kept >= width:
@@ -410,7 +424,7 @@ def prefill_chunk(budget: int | None, rows: int, length: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3, static_argnames="attention")
-def _prefill(graphdef, state, layers, pages, tokens_bt, start_b, table_bw, last_b, lora, *, attention="auto"):
+def prefill_program(graphdef, state, layers, pages, tokens_bt, start_b, table_bw, last_b, lora, *, attention="auto"):
     """Row i's tokens at positions start_b[i] …, attending its pages before them too (a cached prefix);
     the hidden state at row i's token last_b[i]."""
     model = nnx.merge(graphdef, state)
@@ -430,79 +444,103 @@ def _first_tokens(graphdef, state, hidden_be, keys_bu, *, temperature, top_p, to
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(3, 4),
                    static_argnames=("steps", "temperature", "top_p", "top_k", "stops", "attention", "widths"))
-def _decode_chunk(graphdef, state, layers, pages, dense, table_bw, token_b, pos_b, n_gen_b, live_b, keys_bu, max_new,
-                  lora, order_b, *, steps, temperature, top_p, top_k, stops, attention="auto", widths=None):
-    """Up to `steps` decode steps over every slot (fewer when all are done). A slot stops on a stop token
-    or at max_new tokens; a done slot keeps rewriting its last position with the token it read there
-    (inside its own pages), so it never writes past what the scheduler gave it. `lora`: None, or the
+def decode_chunk(graphdef, model_state, layers, pages, dense, batch: DecodeBatch, keys_bu, max_new, lora, order_b, *,
+                 steps, temperature, top_p, top_k, stops, attention="auto", widths=None):
+    """Up to `steps` decode steps over the rows of `batch` (`Scheduler.batch`; fewer steps when all rows
+    are done), carrying one `DecodeState`. A row stops on a stop token or at max_new tokens; a done row
+    keeps rewriting its last position with the token it read there (inside its own pages), so it never
+    writes past what the scheduler gave it. `keys_bu`: each row's request key. `lora`: None, or the
     stream's stacked adapters with the rows of each set ({"lora", "lora_scale", "lora_groups"}). The
     chunk path: with one length group, `dense` (the rows' dense caches, `Stream._dense`; returned
     updated, for the next chunk); else the groups (`paged_attention.length_groups`: rows `order_b`,
-    page-table `widths`) gathered here. Returns (pages, dense, results)."""
-    model = nnx.merge(graphdef, state)
-    B = token_b.shape[0]
+    page-table `widths`) gathered here. Returns (pages, dense, the final state without its `kv`)."""
+    model = nnx.merge(graphdef, model_state)
     stop_ids = jnp.asarray(stops, jnp.int32)
     path = resolve_paged_attention(attention)
     chunk = path in CHUNK_PATHS
-    if chunk and len(widths) == 1:  # one group, rows in place: `dense`, kept from chunk to chunk
-        group_rows, group_tables, caches = [slice(None)], [table_bw], [[layer] for layer in dense]
-    elif chunk:
-        n = B // len(widths)
-        group_rows = [order_b[g * n: (g + 1) * n] for g in range(len(widths))]
-        group_tables = [table_bw[rows, :w] for rows, w in zip(group_rows, widths)]
-        caches = [[dense_cache(layer["kv"], table) for table in group_tables] for layer in pages]
-    if chunk:  # each group's buffer of the chunk's new keys and values, per layer
-        sizes = [B] if len(widths) == 1 else [n] * len(widths)
-        kv = [list(g) for g in zip(*[init_dense(model.config, m, steps, pages[0]["kv"].dtype) for m in sizes])]
+    if chunk:
+        groups = _chunk_groups(model.config, pages, dense, batch, order_b, steps, widths)
+        kv = groups.kv
     else:
         kv = pages
 
-    def cond(carry):
-        return (carry["i"] < steps) & ~jnp.all(carry["done"])
+    def cond(s: DecodeState):
+        return (s.step < steps) & ~jnp.all(s.done_b)
 
-    def body(c):
+    def body(s: DecodeState) -> DecodeState:
         if chunk:
-            attend = chunk_cache_attention(group_rows, pos_b, c["i"], kernel=path == "cpu_kernel")
-            cache = [{"dense": d, "new": new} for d, new in zip(caches, c["kv"])]
+            attend = chunk_cache_attention(groups.rows, batch.pos_b, s.step, kernel=path == "cpu_kernel")
+            cache = [{"dense": d, "new": new} for d, new in zip(groups.caches, s.kv)]
         else:
-            attend, cache = paged_cache_attention(table_bw, attention), c["kv"]
-        h, kv = model.hidden(c["token"][:, None], c["pos"][:, None], cache=cache, layers=layers,
+            attend, cache = paged_cache_attention(batch.table_bw, attention), s.kv
+        h, kv = model.hidden(s.token_b[:, None], s.pos_b[:, None], cache=cache, layers=layers,
                              cache_attention=attend, **(lora or {}))
-        tok, logp = sample_rows(model.logits(h[:, 0]), keys_bu, c["n_gen"], temperature, top_p, top_k)
-        active = ~c["done"]
+        tok, logp = sample_rows(model.logits(h[:, 0]), keys_bu, s.n_gen_b, temperature, top_p, top_k)
+        active = ~s.done_b
         hit = active & jnp.isin(tok, stop_ids)
-        n_gen = c["n_gen"] + active
-        done = c["done"] | hit | (n_gen >= max_new)
-        return {"i": c["i"] + 1, "kv": [layer["new"] for layer in kv] if chunk else kv,
-                "tok": c["tok"].at[:, c["i"]].set(jnp.where(active, tok, 0)),
-                "logp": c["logp"].at[:, c["i"]].set(jnp.where(active, logp, 0.0)),
-                "n_gen": n_gen, "hit": c["hit"] | hit, "done": done,
-                "token": jnp.where(done, c["token"], tok), "pos": c["pos"] + ~done}
+        n_gen = s.n_gen_b + active
+        done = s.done_b | hit | (n_gen >= max_new)
+        return DecodeState(step=s.step + 1, kv=[layer["new"] for layer in kv] if chunk else kv,
+                           token_b=jnp.where(done, s.token_b, tok), pos_b=s.pos_b + ~done, n_gen_b=n_gen,
+                           hit_b=s.hit_b | hit, done_b=done,
+                           tok_bc=s.tok_bc.at[:, s.step].set(jnp.where(active, tok, 0)),
+                           logp_bc=s.logp_bc.at[:, s.step].set(jnp.where(active, logp, 0.0)))
 
-    carry = {"i": jnp.int32(0), "kv": kv, "tok": jnp.zeros((B, steps), jnp.int32),
-             "logp": jnp.zeros((B, steps), jnp.float32), "n_gen": n_gen_b, "hit": jnp.zeros(B, bool),
-             "done": ~live_b, "token": token_b, "pos": pos_b}
-    c = jax.lax.while_loop(cond, body, carry)
-    kv = c.pop("kv")
-    dense = None
+    s = jax.lax.while_loop(cond, body, DecodeState.start(batch, kv, steps))
     if chunk:  # the buffers' writes into the pages (and into `dense`, for the next chunk)
-        last_b = jnp.where(c["done"], c["pos"], c["pos"] - 1)  # a running row's last write: one before its next
-        new_pages, new_dense = [], []
-        for layer, caches_l, kv_l in zip(pages, caches, kv):
-            pool = layer["kv"]
-            for rows, table, cache, new in zip(group_rows, group_tables, caches_l, kv_l):
-                k_btkd, v_btkd, at_bt = chunk_writes(new, pos_b[rows], last_b[rows], steps)
-                pool = write_pages(pool, interleave(k_btkd, v_btkd), table, at_bt)
-                if len(widths) == 1:
-                    new_dense.append(write_dense(cache, k_btkd, v_btkd, at_bt))
-            new_pages.append({"kv": pool})
-        pages, dense = new_pages, new_dense or None
+        pages, dense = _chunk_write_back(pages, groups, s, batch.pos_b, steps, len(widths) == 1)
     else:
-        pages = kv
-    c["steps"] = c.pop("i")
-    return pages, dense, sharding.replicate(c)  # the host reads them: on every host
+        pages, dense = s.kv, None
+    return pages, dense, sharding.replicate(s.replace(kv=None))  # the host reads it: on every host
 
 
-# The jitted programs under public names, for compiling them ahead of time (`marljax.aot`).
-prefill_program = _prefill
-decode_program = _decode_chunk
+@dataclasses.dataclass(frozen=True)
+class _ChunkGroups:
+    """The chunk path's length groups in one decode chunk: each group's rows and page table, its dense
+    caches per layer, and each group's buffer of the chunk's new keys and values per layer (`kv`)."""
+
+    rows: list
+    tables: list
+    caches: list
+    kv: list
+
+
+def _chunk_groups(config, pages, dense, batch: DecodeBatch, order_b, steps: int, widths) -> _ChunkGroups:
+    """`decode_chunk`'s groups on the chunk path: one group of the rows in place (their caches `dense`,
+    kept from chunk to chunk), or the length groups (rows `order_b`, tables `widths` wide) gathered."""
+    B = batch.token_b.shape[0]
+    if len(widths) == 1:
+        rows, tables, caches = [slice(None)], [batch.table_bw], [[layer] for layer in dense]
+        sizes = [B]
+    else:
+        n = B // len(widths)
+        rows = [order_b[g * n: (g + 1) * n] for g in range(len(widths))]
+        tables = [batch.table_bw[r, :w] for r, w in zip(rows, widths)]
+        caches = [[dense_cache(layer["kv"], table) for table in tables] for layer in pages]
+        sizes = [n] * len(widths)
+    kv = [list(g) for g in zip(*[init_dense(config, m, steps, pages[0]["kv"].dtype) for m in sizes])]
+    return _ChunkGroups(rows=rows, tables=tables, caches=caches, kv=kv)
+
+
+def _chunk_write_back(pages, groups: _ChunkGroups, s: DecodeState, pos_b, steps: int, in_place: bool):
+    """The chunk's new keys and values (`s.kv`) written into the pages, and with the rows in place into
+    their dense caches too (for the next chunk): (pages, dense or None)."""
+    last_b = jnp.where(s.done_b, s.pos_b, s.pos_b - 1)  # a running row's last write: one before its next
+    new_pages, new_dense = [], []
+    for layer, caches_l, kv_l in zip(pages, groups.caches, s.kv):
+        pool = layer["kv"]
+        for rows, table, cache, new in zip(groups.rows, groups.tables, caches_l, kv_l):
+            k_btkd, v_btkd, at_bt = chunk_writes(new, pos_b[rows], last_b[rows], steps)
+            pool = write_pages(pool, interleave(k_btkd, v_btkd), table, at_bt)
+            if in_place:
+                new_dense.append(write_dense(cache, k_btkd, v_btkd, at_bt))
+        new_pages.append({"kv": pool})
+    return new_pages, new_dense or None
+
+
+def decode_program(graphdef, model_state, layers, pages, dense, table_bw, token_b, pos_b, n_gen_b, live_b, keys_bu,
+                   max_new, lora, order_b, **static):
+    """`decode_chunk` with its batch's arrays one by one (what `marljax.aot` lowers)."""
+    batch = DecodeBatch(table_bw=table_bw, token_b=token_b, pos_b=pos_b, n_gen_b=n_gen_b, live_b=live_b,
+                        request_b=None, held_b=None, lora_groups=None)
+    return decode_chunk(graphdef, model_state, layers, pages, dense, batch, keys_bu, max_new, lora, order_b, **static)

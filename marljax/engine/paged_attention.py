@@ -13,13 +13,13 @@ attends the keys at positions ≤ its own. `impl` (`PAGED_ATTENTIONS`):
           TPU (also ahead of time for a TPU topology, `marljax.aot`), in Pallas' TPU interpreter on any
           other backend (see `KERNEL_MODES`). It takes each row's T queries as its last T positions
           (the engine's prefill rows start at 0, its decode rows hold one query): `kernel_cache_attention`
-  chunk   decode only (`marljax.engine.engine._decode_chunk`; prefill takes the gather path): the rows'
+  chunk   decode only (`marljax.engine.engine.decode_chunk`; prefill takes the gather path): the rows'
           pages are gathered into dense caches (`dense_cache`, the layout `models.attention.attention`
           reads in place), which stay read-only through the chunk: each step writes its keys and values
           into a buffer of the chunk's `steps` columns and attends the dense cache and the buffer as two
           segments (`chunk_cache_attention`); at the end the buffer's writes go into the pages and the
           dense caches (`chunk_writes`). The caches are kept
-          for the next chunk: rows stay put (`scheduler.stable_rows`) and only the rows that hold a new
+          for the next chunk: rows stay put (`batch.stable_rows`) and only the rows that hold a new
           sequence are gathered again (`refresh_dense`), all of them when the rows or the width change.
           `Engine(length_groups=G > 1)` sorts the rows by length into groups (`length_groups`), each
           with its own cache as wide as its longest row and its own buffer. Off by default: on
@@ -248,7 +248,7 @@ def length_groups(held_b, ranks: int, most: int) -> tuple[np.ndarray, tuple[int,
     G = 1
     while 2 * G <= most and per_rank % (2 * G) == 0 and per_rank // (2 * G) >= LENGTH_GROUP_ROWS:
         G *= 2
-    if G == 1:  # rows in place: the decoder's own dense attention (`_decode_chunk`)
+    if G == 1:  # rows in place: the decoder's own dense attention (`engine.decode_chunk`)
         return np.arange(len(held_b), dtype=np.int32), (page_bucket(max(1, int(held_b.max(initial=0)))),)
     m = per_rank // G
     blocks = [r * per_rank + np.argsort(held_b[r * per_rank: (r + 1) * per_rank], kind="stable") for r in range(ranks)]

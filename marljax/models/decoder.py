@@ -202,13 +202,13 @@ def grouped_lora_delta(x_ni, a_gir, b_gro, groups_g):
 
     On a mesh (`sharding.use_mesh`) with R batch ranks it runs once per batch shard: the tokens come in R
     equal rank blocks and the sets once per rank, rank-major (G = R × sets; the rollout engine's
-    `scheduler.block_groups`), so each chip multiplies its own tokens by its own rank's sets. Left to
+    `batch.block_groups`), so each chip multiplies its own tokens by its own rank's sets. Left to
     XLA's partitioner, every chip all-gathers every rank's adapters per layer, and at prefill every
     rank's tokens too (compiled for v5e-8: docs/scale_out.md)."""
     ranks = sharding.active_batch_ranks()
     if groups_g.shape[0] % ranks or x_ni.shape[0] % ranks:
         raise ValueError(f"per-row adapters on a mesh of {ranks} batch ranks need the sets stacked once per rank "
-                         f"and the tokens in {ranks} equal rank blocks (engine.scheduler.block_groups); got "
+                         f"and the tokens in {ranks} equal rank blocks (engine.batch.block_groups); got "
                          f"{groups_g.shape[0]} stacked sets for {x_ni.shape[0]} tokens.")
     return sharding.shard_map_logical(_grouped_lora_delta, (x_ni, a_gir, b_gro, groups_g),
                                       (("batch", None), ("batch", None, None), ("batch", None, None), ("batch",)),
