@@ -226,3 +226,43 @@ def test_import_graph_reads_deferred_relative_and_from_imports(tmp_path):
     assert layer_violations(graph, {m: m for m in graph}) == [
         "marljax.tasks.arith:2: marljax.tasks.arith (tasks) imports marljax.sharding (core); the tasks layer "
         "may import only ['tasks']"]
+
+
+# namedtuple's public methods, and the standard library's documented private-looking names
+PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_exit"}
+
+
+def private_uses(sources: dict[str, pathlib.Path]) -> list[str]:
+    """Uses of another module's private (`_`-prefixed) names: `from marljax.x import _f`, or `obj._f` where
+    `_f` is not defined in the module that uses it (its own classes' private members are its business)."""
+    found = []
+    for module, path in sorted(sources.items()):
+        tree = ast.parse(path.read_text())
+        own = set()
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(n.name)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                own.add(n.id)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                own.add(n.attr)
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(PACKAGE):
+                found += [f"{path.name}:{n.lineno} imports {n.module}.{a.name}" for a in n.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+            elif (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+                  and n.attr not in own | PUBLIC_UNDERSCORE):
+                found.append(f"{path.name}:{n.lineno} uses {ast.unparse(n)}")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    """Modules meet through public names only (issue #47): what another module needs is made public."""
+    assert private_uses(package_sources(package_root())) == []
+
+
+def test_private_uses_are_found(tmp_path):
+    (tmp_path / "a.py").write_text("from marljax.engine.engine import _hidden\nx = engine._spare()\n"
+                                   "class C:\n    def _own(self):\n        return other._own(), t._replace()\n")
+    assert private_uses({"a": tmp_path / "a.py"}) == ["a.py:1 imports marljax.engine.engine._hidden",
+                                                      "a.py:2 uses engine._spare"]
