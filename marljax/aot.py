@@ -601,13 +601,17 @@ def _compile_decode(x: _EngineInputs, cfg, rows: int, width: int, steps: int) ->
     """One decode chunk of `steps` steps over `rows` slots, page tables `width` pages wide."""
     import jax.numpy as jnp
 
+    from marljax.engine.batch import DecodeBatch
     from marljax.engine.engine import decode_program
     sp = cfg.sampling
+    row = lambda dtype: x.arr(dtype, ("batch",), rows)  # noqa: E731
+    batch = DecodeBatch(table_bw=x.arr(jnp.int32, ("batch", None), rows, width), token_b=row(jnp.int32),
+                        pos_b=row(jnp.int32), n_gen_b=row(jnp.int32), live_b=row(jnp.bool_), request_b=None,
+                        held_b=None, lora_groups=None)  # the host's fields (request, held, groups) are not read
     traced = _holding(x, decode_program, steps=steps, stops=(0,), attention="kernel", temperature=float(sp.temperature),
                       top_p=float(sp.top_p), top_k=int(sp.top_k)).trace(
-        x.held, x.state, x.layers, x.pool, None, x.arr(jnp.int32, ("batch", None), rows, width),
-        *(x.arr(jnp.int32, ("batch",), rows) for _ in range(3)), x.arr(jnp.bool_, ("batch",), rows),
-        x.arr(jnp.uint32, ("batch", None), rows, 2), x.arr(jnp.int32, ()), x.lora, None)
+        x.held, x.state, x.layers, x.pool, None, batch, x.arr(jnp.uint32, ("batch", None), rows, 2),
+        x.arr(jnp.int32, ()), x.lora, None)
     return _program(*_compile(traced))
 
 

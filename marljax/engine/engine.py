@@ -538,9 +538,5 @@ def _chunk_write_back(pages, groups: _ChunkGroups, s: DecodeState, pos_b, steps:
     return new_pages, new_dense or None
 
 
-def decode_program(graphdef, model_state, layers, pages, dense, table_bw, token_b, pos_b, n_gen_b, live_b, keys_bu,
-                   max_new, lora, order_b, **static):
-    """`decode_chunk` with its batch's arrays one by one (what `marljax.aot` lowers)."""
-    batch = DecodeBatch(table_bw=table_bw, token_b=token_b, pos_b=pos_b, n_gen_b=n_gen_b, live_b=live_b,
-                        request_b=None, held_b=None, lora_groups=None)
-    return decode_chunk(graphdef, model_state, layers, pages, dense, batch, keys_bu, max_new, lora, order_b, **static)
+# The decode chunk under the name `marljax.aot` compiles it by (beside `prefill_program`).
+decode_program = decode_chunk
