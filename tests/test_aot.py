@@ -210,7 +210,9 @@ def _voting_iteration(**kw):
 
 
 # three TPU compiles (2-layer engine, two update micro-batches): 75 s on this project's 2-core box with another
-# compile running beside it (2026-12-07)
+# compile running beside it (2026-12-07, session 30), 169 s alone and 395 s in the loaded default suite in
+# session 31, the suite's longest test: in the slow suite (`make test ARGS="-m slow"`), which CI also runs
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed (pip install libtpu==0.0.42.1, requirements-test.txt)")
 def test_iteration_compiles_for_v5e_within_the_update_bound():
     """The whole iteration of a Qwen3-0.6B-shaped Voting cell at 2 layers on v5e-8, through
