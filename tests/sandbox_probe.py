@@ -17,9 +17,11 @@ import time
 # In the command line of every sandboxed process (the sandbox's prelude): how a non-root trainer's
 # leftovers are recognised (a root trainer's are its per-run uids).
 MARKER = "runpy.run_path(sys.argv[0]"
-# Bound on a run's wall time beyond its timeout: the kill and the namespace teardown. 5 s: killing a fork bomb
-# took 3.01 s of a 1 s timeout once on the 2-core CI, the other test worker compiling beside it (2.0 s before);
-# an uncontained run still fails by far (the orphan's child sleeps 60 s, the loops never end).
+# Bound on a run's wall time beyond its timeout: the kill and the namespace teardown. 5 s: on the 2-core CI,
+# the other test worker compiling beside it, killing a fork bomb that escapes the group took 3.0, 7.2 and
+# 18.8 s, its 64 spinning processes starving the killing thread, before that thread took nice -20 (with 8
+# busy processes beside it here: 3.8-5.3 s before, 1.2-1.8 s after); an uncontained run still fails by far
+# (the orphan's child sleeps 60 s, the loops never end).
 WALL_SLACK_S = 5.0
 OUTPUT_CAP = 1 << 16
 # name: (program, timeout_s). Each prints first, so that its output proves it ran. Fork bombs come last:

@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 
 import pytest
@@ -206,6 +207,16 @@ def test_hostile_program_leaves_nothing_running(name, mode):
         pytest.skip("rlimits mode as a non-root trainer cannot stop a program that leaves its process group")
     assert_contained(f"{mode}/{name}", sandbox_probe.contain(sandbox, name, mode))
 
+
+
+def test_the_program_runs_at_the_callers_nice_and_the_caller_gets_it_back(mode):
+    """A root trainer's thread takes nice -20 while it waits on and kills a run (so a fork bomb cannot
+    starve the kill), but the program itself must start at the caller's nice, and the caller end at it."""
+    tid = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, tid)
+    r = run_python("import os\nprint(os.getpriority(os.PRIO_PROCESS, 0))", isolation=mode)
+    assert (r.returncode, r.stdout) == (0, f"{before}\n"), r
+    assert os.getpriority(os.PRIO_PROCESS, tid) == before
 
 # --- what a sandboxed program sees -------------------------------------------------------------------
 

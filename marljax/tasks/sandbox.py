@@ -25,6 +25,7 @@ nothing else.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -39,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 log = logging.getLogger(__name__)
@@ -382,11 +384,30 @@ def _start(mode: str, program: str, limits: Limits, deadline: float, uid: int | 
         os.close(info_r)
 
 
+@contextlib.contextmanager
+def _outranking():
+    """Run the block at nice -20 where this thread may take it (a root trainer; nice is per thread on
+    Linux, and inherited by what the thread starts: the kill as a run's uid), then restore its nice.
+    A fork bomb keeps RLIMIT_NPROC processes spinning at nice 0; at equal weight they starved the kill
+    of a 2-core CI's test worker for up to 18.8 s."""
+    tid = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, tid)
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, -20)
+    except PermissionError:
+        before = None  # an unprivileged trainer cannot lower its nice; its runs' processes share its uid
+    try:
+        yield
+    finally:
+        if before is not None:
+            os.setpriority(os.PRIO_PROCESS, tid, before)
+
+
 def _cleanup(proc: subprocess.Popen, init: int | None, uid: int | None, grace_s: float) -> None:
     """Kill what the run left, and return once it is gone: bwrap's pid namespace (every process in it;
     `init`: a pidfd of its init), the process group, and, for a root trainer, every live process of the
-    run's uid. A program that finished gets `grace_s` to exit on its own first (bwrap then exits with
-    the program's status)."""
+    run's uid (first all at once, kill(-1) as that uid, then a check). A program that finished gets
+    `grace_s` to exit on its own first (bwrap then exits with the program's status)."""
     deadline = time.monotonic() + grace_s
     while not _exited(proc) and time.monotonic() < deadline:
         time.sleep(0.001)
@@ -394,6 +415,8 @@ def _cleanup(proc: subprocess.Popen, init: int | None, uid: int | None, grace_s:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    if uid is not None:
+        _kill_as(uid)  # what left the group too, before the sweeps below look for it one by one
     if init is not None:
         _kill_namespace(init)
     else:  # rlimits (or a bwrap that failed early); before reaping the leader, whose pid is the group id
@@ -424,12 +447,14 @@ def _run(source: str, stdin: str, limits: Limits, mode: str) -> RunResult:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmpdir, env=_CLEAN_ENV,
                             start_new_session=True)
         out, err, timed_out, truncated = b"", b"", True, False
-        try:
-            out, err, timed_out, truncated = _collect(proc, start + limits.timeout_s, limits.max_output_bytes)
-        finally:
-            _cleanup(proc, init, uid, grace_s=0.0 if timed_out or truncated else 1.0)
-            proc.stdout.close()
-            proc.stderr.close()
+        with _outranking():  # from here on: the program (at the nice it started with) cannot starve this
+            try:
+                out, err, timed_out, truncated = _collect(proc, start + limits.timeout_s,
+                                                          limits.max_output_bytes)
+            finally:
+                _cleanup(proc, init, uid, grace_s=0.0 if timed_out or truncated else 1.0)
+                proc.stdout.close()
+                proc.stderr.close()
     return RunResult(returncode=proc.returncode, stdout=out.decode(errors="replace"),
                      stderr=err.decode(errors="replace"), timed_out=timed_out, isolation=mode,
                      output_truncated=truncated, wall_s=time.monotonic() - start)
