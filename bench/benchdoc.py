@@ -1,15 +1,15 @@
 """docs/*.md I/O shared by the benchmark scripts: the machine line and section replacement, and the tiny
 model of their `--smoke` runs (tests/test_bench_smoke.py). Import it before jax: it keeps freed host memory
-for the script, as the CLIs do (marljax/host_memory.py)."""
+for the script, as the CLIs do (marljax/core/host_memory.py)."""
 import dataclasses
 import os
 import pathlib
 import platform
 
-from marljax import host_memory
+from marljax.core import host_memory
 
-host_memory.skip_absent_tpu()  # libtpu without a TPU: keep jax from probing for one (marljax/host_memory.py)
-host_memory.retain()  # before jax: keeps freed host memory (marljax/host_memory.py)
+host_memory.skip_absent_tpu()  # libtpu without a TPU: keep jax from probing for one (marljax/core/host_memory.py)
+host_memory.retain()  # before jax: keeps freed host memory (marljax/core/host_memory.py)
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 SMOKE_SHAPES = dict(num_layers=1, hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1,

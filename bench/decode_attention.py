@@ -8,7 +8,7 @@ median of `--samples`, compile excluded. Each rewrite is checked against the cur
 difference printed).
   current    `marljax.models.attention.attention` over its layout ("keys_ds": keys [B, K, Dh, S], values
              [B, K, S, Dh]): scores, mask, softmax, value product
-  cpu_kernel `marljax.engine.cpu_attention.segmented_decode_attention` over the same arrays (one segment,
+  cpu_kernel `marljax.sampling.engine.cpu_attention.segmented_decode_attention` over the same arrays (one segment,
              each row's length): the engine's CPU kernel, which reads each row's first L columns only
   keys_sd    the same over the dense cache's layout before 2026-12-06 (keys [B, K, S, Dh], values
              [B, K, Dh, S]; written out here since it left the package); the rewrites below read it too
@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marljax.engine.cpu_attention import segmented_decode_attention
 from marljax.models.attention import attention
 from marljax.models.precision import dot_f32
+from marljax.sampling.engine.cpu_attention import segmented_decode_attention
 
 H, K, DH = 9, 3, 64
 G = H // K

@@ -1,4 +1,4 @@
-"""The per-step token draw: `marljax.engine.draw.sample_rows` (two-stage Gumbel-max, `blocked_categorical`)
+"""The per-step token draw: `marljax.sampling.engine.draw.sample_rows` (two-stage Gumbel-max, `blocked_categorical`)
 against the same per-row draw by `jax.random.categorical` (a Gumbel number per vocabulary entry: what it
 did before), on XLA CPU.
 
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marljax.engine import draw
+from marljax.sampling.engine import draw
 
 SHAPES = [(64, 49152), (64, 151936)]
 TEMPERATURE = 0.7

@@ -28,12 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from marljax.core.shapes import bucket
 from marljax.models.decoder import Decoder
 from marljax.models.lora import LoRAConfig, init_lora
 from marljax.models.presets import PRESETS
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack
 from marljax.sampling import SamplingParams, generate
-from marljax.shapes import bucket
 from benchdoc import publish  # bench/ is on sys.path when a script here runs
 from flops import train_flops
 

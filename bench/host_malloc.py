@@ -1,7 +1,7 @@
 """The SmolLM2-135M LoRA train step with marljax's host malloc (freed memory kept for reuse) against
 glibc's default (XLA CPU's multi-GB temp buffer mmapped afresh and faulted in on every call), side by side:
 one worker process per (malloc, remat), since malloc is set when a process starts; the parent steps them
-in turn, each step after a 1 s pause, the first round compiling. See marljax/host_memory.py.
+in turn, each step after a 1 s pause, the first round compiling. See marljax/core/host_memory.py.
 
     python bench/host_malloc.py [--batch 8] [--length 256] [--repeats 3] [--write] [--smoke]
 """
@@ -24,7 +24,7 @@ def worker(remat: str, rows: int, length: int, smoke: bool) -> None:
 
     from benchdoc import bench_model
 
-    from marljax import host_memory
+    from marljax.core import host_memory
     c = Contender(bench_model("smollm2-135m-instruct", smoke), random_batch(rows, length), lora=True, remat=remat)
     print(json.dumps({"state": host_memory.state}), flush=True)
     for _ in sys.stdin:

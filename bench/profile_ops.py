@@ -40,8 +40,8 @@ def main():
     module = {"sampler": "_sample", "engine": "decode_chunk", "step": "_update"}[args.what]
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={work}/hlo "
                                f"--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*{module}.*")
-    from marljax import host_memory
-    host_memory.retain()  # before jax: keeps freed host memory (marljax/host_memory.py)
+    from marljax.core import host_memory
+    host_memory.retain()  # before jax: keeps freed host memory (marljax/core/host_memory.py)
     import jax
     import numpy as np
 
@@ -49,8 +49,8 @@ def main():
     model = bench_model("smollm2-135m-instruct", args.smoke)
     rng = np.random.default_rng(0)
     if args.what in ("sampler", "engine"):
-        from marljax.engine import Engine
         from marljax.sampling import SamplingParams, layer_weights
+        from marljax.sampling.engine import Engine
         from static_sampler import generate_static  # bench/static_sampler.py
         rows = args.batch or (16 if args.what == "sampler" else 64)
         prompts = rng.integers(100, 40000, (rows, args.prompt)).tolist()

@@ -3,9 +3,9 @@
 SmolLM2-135M-Instruct, GSM8K test questions in the math `solve` prompt (chat template), each sampled
 `--samples` times (a GRPO group: identical prompts side by side), T = 0.7, top-p 1, max 256 new tokens,
 stop on the chat's end tokens. Contenders, alternated within each repeat (the machine drifts):
-  engine  `marljax.engine.Engine.generate` (continuous batching over `--slots` slots, paged KV, shared
+  engine  `marljax.sampling.engine.Engine.generate` (continuous batching over `--slots` slots, paged KV, shared
           prompt prefixes; on a CPU the `cpu_kernel` attention: pages gathered once per decode chunk into a
-          dense copy, which `marljax.engine.cpu_attention`'s kernel reads up to each row's real length)
+          dense copy, which `marljax.sampling.engine.cpu_attention`'s kernel reads up to each row's real length)
   engine-xla-chunk  the same engine with `attention="chunk"`: the dense copy read by XLA's masked
           attention over the copy's whole width (the CPU path before the kernel)
   engine-gather  the same engine with `attention="gather"` (pages gathered at every decode step)
@@ -55,11 +55,11 @@ from benchdoc import bench_model, machine, publish  # first (before jax); bench/
 import jax
 import numpy as np
 
-from marljax.engine import Engine
+from marljax.core.shapes import bucket, bucket_rows
 from marljax.models import ChatCodec, load_tokenizer
 from marljax.models.sources import smollm2_gguf_path
 from marljax.sampling import SamplingParams, generate, layer_weights
-from marljax.shapes import bucket, bucket_rows
+from marljax.sampling.engine import Engine
 from marljax.workflows.prompts import prompt_set
 from static_sampler import generate_static
 

@@ -26,21 +26,21 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 
-from marljax import host_memory  # noqa: E402
+from marljax.core import host_memory  # noqa: E402
 
-host_memory.retain()  # before jax: keeps freed host memory (marljax/host_memory.py)
+host_memory.retain()  # before jax: keeps freed host memory (marljax/core/host_memory.py)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from marljax import sharding  # noqa: E402
 from marljax.build import Policy, state_shardings  # noqa: E402
+from marljax.core import sharding  # noqa: E402
+from marljax.core.sharding import MeshConfig  # noqa: E402
 from marljax.models.decoder import Decoder, ModelConfig  # noqa: E402
 from marljax.models.lora import LoRAConfig, init_lora  # noqa: E402
 from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack  # noqa: E402
 from marljax.sampling import SamplingParams, generate  # noqa: E402
-from marljax.sharding import MeshConfig  # noqa: E402
 from benchdoc import machine, publish  # noqa: E402 — bench/ is on sys.path when a script here runs
 
 TITLE = "## Sharding (CPU, simulated devices)"

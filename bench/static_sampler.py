@@ -25,12 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from marljax.engine.draw import SampleOutput, SamplingParams, choose, logprob_of
-from marljax.engine.paged_attention import init_dense, write_dense
+from marljax.core.shapes import bucket, bucket_rows
+from marljax.core.sharding import replicate
 from marljax.models.attention import attention
 from marljax.models.decoder import Decoder, ModelConfig
-from marljax.shapes import bucket, bucket_rows
-from marljax.sharding import replicate
+from marljax.sampling.engine.draw import SampleOutput, SamplingParams, choose, logprob_of
+from marljax.sampling.engine.paged_attention import init_dense, write_dense
 
 
 def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> list[dict[str, Any]]:

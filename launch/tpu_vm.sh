@@ -8,7 +8,7 @@
 #       [--keep] [--data DIR] [--out DIR] [--dry-run] [-- key=value ...]
 #
 # The cell's config comes from `python -m marljax.matrix`, the slice's type and runtime from
-# marljax/launch_specs.py; `key=value` after `--` are extra overrides for `python -m marljax.train`.
+# marljax/core/launch_specs.py; `key=value` after `--` are extra overrides for `python -m marljax.train`.
 # The run dir is BUCKET/PATH/<cell>: a slice lost to --spot preemption loses no checkpoint, and the same
 # command run again resumes from the newest one. For many cells on many slices, with automatic recovery,
 # use `python -m marljax.matrix --emit skypilot` (docs/scale_out.md). --data copies a local dir
@@ -45,7 +45,7 @@ WORK=$(mktemp -d)
 # shellcheck source=launch/common.sh
 source "$REPO/launch/common.sh"
 VM=$(cd "$REPO" && "$PYTHON" -c 'import sys
-from marljax.launch_specs import LaunchSpecError, tpu_vm
+from marljax.core.launch_specs import LaunchSpecError, tpu_vm
 try:
     print(*tpu_vm(sys.argv[1]))
 except LaunchSpecError as e:

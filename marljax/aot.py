@@ -5,7 +5,7 @@ without one.
 the rollout engine (`compile_engine`) and two micro-batches of the update (`compile_cell`, shapes from
 `update_shapes`: one longest row per chip, and the most short rows the token budget admits), each with
 the cell's model shapes (`nnx.eval_shape`: nothing allocated), its LoRA or full parameter sets, Adam
-states, mesh and sharding rules (`marljax.sharding`). A program is lowered with `jax.ShapeDtypeStruct`
+states, mesh and sharding rules (`marljax.core.sharding`). A program is lowered with `jax.ShapeDtypeStruct`
 arguments that carry their shardings and
 compiles it with libtpu's compile-only client for the topology. XLA's TPU compiler reports per chip:
   bytes    XLA's peak (`Program`): arguments, outputs and temporaries live at once (the donated params
@@ -14,7 +14,7 @@ compiles it with libtpu's compile-only client for the topology. XLA's TPU compil
            (`bench/flops.py`: the useful work); their ratio is the recompute overhead (remat, the
            log-prob chunks' rematerialisation, the attention kernel's own backward)
   roofline max(flops / peak, bytes accessed / HBM bandwidth) of one such call
-`compile_engine` does the same for the cell's rollout engine (`marljax.engine`): its jitted prefill and
+`compile_engine` does the same for the cell's rollout engine (`marljax.sampling.engine`): its jitted prefill and
 decode chunk with the cell's weights as the sampler shards them, the page pool `marljax.matrix.engine_plan`
 sizes (one per batch rank) and the TPU's ragged paged-attention kernel; per chip its bytes and one decode
 step's roofline (`engine_table`).
@@ -301,7 +301,7 @@ def update_shapes(cell, budget: int, chips: int, *, length: int | None = None) -
              longest length) of the shortest stage prompt + a `SHORT_RESPONSE`-token answer: many short
              rows, the shape where rows, not positions, set the size (the log-probs' rows × positions).
     `length` overrides the long row's T (tests)."""
-    from marljax.shapes import bucket, bucket_rows, length_bucket
+    from marljax.core.shapes import bucket, bucket_rows, length_bucket
 
     r = cell.max_response
     prompts = {role: [s.prompt for s in cell.stages() if s.role == role] for role in cell.roles}
@@ -336,7 +336,7 @@ def compile_cell(cell, cfg, accelerator: str, acc, *, shape: str = "long", atten
     import jax
     import jax.numpy as jnp
 
-    from marljax import sharding
+    from marljax.core import sharding
 
     trainer, policy, state = _abstract_trainer(cfg, devices, layers, attention, logprob_bytes)
     mesh, rules = policy.mesh, policy.rules
@@ -390,7 +390,7 @@ def _abstract_batch(mesh, rules, rows: int, T: int, R: int):
     import jax
     import jax.numpy as jnp
 
-    from marljax import sharding
+    from marljax.core import sharding
     from marljax.rl.step import RoleBatch
 
     def arr(dtype, *dims):
@@ -482,7 +482,7 @@ class CompiledEngine:
 
 def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float = 0.0, layers: int | None = None,
                    steps: int | None = None, sets: int = 0) -> CompiledEngine:
-    """Compile `cell`'s rollout engine (`marljax.engine.engine`'s jitted `prefill_program` and
+    """Compile `cell`'s rollout engine (`marljax.sampling.engine.engine`'s jitted `prefill_program` and
     `decode_program`) for `accelerator`'s topology, with abstract arguments (`_engine_inputs`): the cell's
     model (`build.abstract_policy`; `layers` overrides its layer count, for tests) sharded as the sampler
     shards it, the per-layer copy of its layers the sampler decodes with (`sampling.layer_weights`: one
@@ -503,10 +503,10 @@ def compile_engine(cell, cfg, accelerator: str, acc, plan, *, held_bytes: float 
     temporaries (measured: cutting the pool by 1.6 GiB raised the decode chunk's temp by 1.55 GiB), so
     the fit is only checked with everything resident inside the program."""
     devices = topology_devices(accelerator)
-    from marljax import sharding
-    from marljax.engine.engine import CHUNK_STEPS
+    from marljax.core import sharding
+    from marljax.core.shapes import page_bucket
     from marljax.models.presets import PRESETS
-    from marljax.shapes import page_bucket
+    from marljax.sampling.engine.engine import CHUNK_STEPS
 
     policy = _cell_policy(cfg, devices, layers)
     x = _engine_inputs(policy, plan, held_bytes, sets)
@@ -546,8 +546,8 @@ def _engine_inputs(policy, plan, held_bytes: float, sets: int) -> _EngineInputs:
     import jax.numpy as jnp
     from flax import nnx
 
-    from marljax import sharding
-    from marljax.engine.kv_pages import pool_shape
+    from marljax.core import sharding
+    from marljax.sampling.engine.kv_pages import pool_shape
 
     mesh, rules, model_cfg = policy.mesh, policy.rules, policy.model.config
     graphdef, state = nnx.split(policy.model)
@@ -601,8 +601,8 @@ def _compile_decode(x: _EngineInputs, cfg, rows: int, width: int, steps: int) ->
     """One decode chunk of `steps` steps over `rows` slots, page tables `width` pages wide."""
     import jax.numpy as jnp
 
-    from marljax.engine.batch import DecodeBatch
-    from marljax.engine.engine import decode_program
+    from marljax.sampling.engine.batch import DecodeBatch
+    from marljax.sampling.engine.engine import decode_program
     sp = cfg.sampling
     row = lambda dtype: x.arr(dtype, ("batch",), rows)  # noqa: E731
     batch = DecodeBatch(table_bw=x.arr(jnp.int32, ("batch", None), rows, width), token_b=row(jnp.int32),
@@ -619,8 +619,8 @@ def _compile_prefill(x: _EngineInputs, plan) -> tuple[Program, dict]:
     """One prefill chunk per batch rank: the widest chunk of the longest prompt, its pages attended."""
     import jax.numpy as jnp
 
-    from marljax.engine.engine import prefill_program
-    from marljax.shapes import page_bucket
+    from marljax.core.shapes import page_bucket
+    from marljax.sampling.engine.engine import prefill_program
     n, T = plan.ranks, plan.prefill_chunk
     traced = _holding(x, prefill_program, attention="kernel").trace(
         x.held, x.state, x.layers, x.pool, x.arr(jnp.int32, ("batch", None), n, T), x.arr(jnp.int32, ("batch",), n),

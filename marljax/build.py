@@ -21,16 +21,16 @@ import jax
 import numpy as np
 from flax import nnx
 
-from marljax import sharding
 from marljax.config import Config, ConfigError
+from marljax.core import sharding
 from marljax.models import load_model, load_tokenizer
 from marljax.models.decoder import Decoder, ModelConfig, trainable_params
 from marljax.models.lora import LoRAConfig, init_lora
 from marljax.models.tokenizer import ChatCodec
-from marljax.policy_sampler import PolicySampler
 from marljax.rl import policy_map as pm
 from marljax.rl.state import TrainState
 from marljax.rl.step import Trainer
+from marljax.sampling.policy_sampler import PolicySampler
 from marljax.tasks.data import load_task, validation_split
 from marljax.tasks.sandbox import require as require_sandbox
 from marljax.workflows import Completion, Workflow

@@ -4,14 +4,14 @@ Compares conditions over training seeds: runs are grouped by the config values n
 keys of each run's config.yaml, e.g. `workflow.n_votes rl.same_role_scale`); runs of one condition differ
 in their seed. For every metric (a key of metrics.jsonl, e.g. `set/generator/step_delta`), a run's value is
 its mean over the training steps in `--steps` (default: all logged steps of the metric); a condition's value
-is the mean of its runs with its t-based 95% interval over seeds (df = seeds − 1; `marljax.seed_stats`); each
+is the mean of its runs with its t-based 95% interval over seeds (df = seeds − 1; `marljax.analysis.seed_stats`); each
 condition's difference from the first condition is paired by seed where both ran the same seeds, else
 Welch's, and marked ✱ when its interval excludes 0. The step-to-step noise inside a run is not counted
 twice: the seeds' spread carries it.
 
 Writes compare.md (the table, the runs behind each condition, the command) and, per metric, a PNG of the
 per-step mean over seeds of every condition with its seeds' range shaded. Run dirs and --out may be
-buckets (`gs://…`, see marljax.storage).
+buckets (`gs://…`, see marljax.core.storage).
 """
 from __future__ import annotations
 
@@ -25,19 +25,10 @@ import numpy as np
 import yaml
 from etils import epath
 
-from marljax.metrics import read_metrics
-from marljax.seed_stats import difference, t_interval
-from marljax.storage import save_figure
-
-
-def config_value(cfg: dict, key: str) -> Any:
-    """The value at dotted `key` of a nested config mapping (None when absent)."""
-    node: Any = cfg
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
+from marljax.analysis.seed_stats import difference, t_interval
+from marljax.config import config_value
+from marljax.core.metrics import read_metrics
+from marljax.core.storage import save_figure
 
 
 def run_series(records: list[dict], metric: str, steps: tuple[int, int] | None = None, *,

@@ -29,14 +29,12 @@ from typing import Any
 import yaml
 from etils import epath
 
-from marljax.engine.engine import CHUNK_STEPS, NUM_SLOTS, PREFILL_CHUNK_MIN
-from marljax.engine.paged_attention import PAGED_ATTENTIONS
-from marljax.engine.scheduler import ADMISSIONS
+from marljax.core.sharding import LORA_PLACEMENTS, RULES, MeshConfig
+from marljax.core.storage import is_remote
 from marljax.models.attention import ATTENTIONS
 from marljax.models.decoder import REMAT
 from marljax.models.lora import ALL_LINEAR, LoRAConfig
 from marljax.models.precision import DTYPES
-from marljax.policy_sampler import SamplerSettings
 from marljax.rl import policy_map as pm
 from marljax.rl.advantages import REWARD_ROUTINGS, AdvantageConfig, get_estimator, get_group_key
 from marljax.rl.diagnostics import CliffConfig
@@ -44,8 +42,10 @@ from marljax.rl.losses import LossConfig, get_aggregation
 from marljax.rl.schedules import SCHEDULES, lr_at
 from marljax.rl.step import MINIBATCH_MODES, OPTIMIZERS, ROLE_WEIGHTINGS, StepConfig, make_optimizer
 from marljax.sampling import SamplingParams
-from marljax.sharding import LORA_PLACEMENTS, RULES, MeshConfig
-from marljax.storage import is_remote
+from marljax.sampling.engine.engine import CHUNK_STEPS, NUM_SLOTS, PREFILL_CHUNK_MIN
+from marljax.sampling.engine.paged_attention import PAGED_ATTENTIONS
+from marljax.sampling.engine.scheduler import ADMISSIONS
+from marljax.sampling.policy_sampler import SamplerSettings
 from marljax.tasks.data import TASKS, task_kind
 from marljax.tasks.sandbox import MODES as SANDBOX_MODES
 from marljax.workflows import WORKFLOWS, Workflow, paper_limits, workflow_class
@@ -546,6 +546,16 @@ def leaves(d: dict, prefix: str = ""):
             yield from leaves(v, f"{prefix}{k}.")
         else:
             yield f"{prefix}{k}", v
+
+
+def config_value(cfg: dict, key: str) -> Any:
+    """The value at dotted `key` of a nested config mapping, e.g. a run's config.yaml (None when absent)."""
+    node: Any = cfg
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
 
 
 def departures(cfg: Config) -> list[tuple[str, Any]]:

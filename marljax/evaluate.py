@@ -6,7 +6,7 @@ evaluates a training run's parameter sets and routing: its newest checkpoint, or
 state of its best eval during training. `transfer=all|generators` with `workflow=W` is the paper's SA→MA
 transfer control: a single-agent run's set on every role of W, or on its solving roles with the base model
 on the supervisory ones. Checkpoint evals are also written to RUN_DIR/evals/<name>.json, where the report
-finds them; RUN_DIR may be a bucket (`gs://…`, see marljax.storage). The base config: with
+finds them; RUN_DIR may be a bucket (`gs://…`, see marljax.core.storage). The base config: with
 `checkpoint=RUN_DIR`, the run's own RUN_DIR/config.yaml (`--config` beside it is refused: key=value
 changes the eval's keys); else as `train`'s: `--config FILE`; no arguments at all: configs/default.yaml;
 only key=value: the paper's settings. The first lines (stderr) name the base and the keys that depart from the
@@ -15,7 +15,7 @@ paper's settings. The last line printed is `pass@1 = <float>`.
 from __future__ import annotations
 
 if __name__ == "__main__":  # the CLI keeps freed host memory: before anything imports jax
-    from marljax import host_memory
+    from marljax.core import host_memory
     host_memory.opt_in("marljax.evaluate")
 
 import argparse
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import yaml
 from etils import epath
 
-from marljax import compile_cache, storage
 from marljax.config import Config, ConfigError, cli_config, describe, load_config, resolve, to_dict
+from marljax.core import compile_cache, storage
 from marljax.rl import policy_map as pm
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ def build(checkpoint: epath.Path | None, config_file: str | None, overrides: lis
     Raises ConfigError (bad keys, transfer from a run that is not single-agent, an unknown workflow or mode)
     or FileNotFoundError (no checkpoint / peak)."""
     from marljax.build import build_policy, build_problems, build_workflow
-    from marljax.checkpoint import WHICH, Checkpointer
+    from marljax.core.checkpoint import WHICH, Checkpointer
 
     if which not in WHICH:
         raise ConfigError(f"which={which!r}; choose one of {WHICH}.")

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 if __name__ == "__main__":  # the CLI keeps freed host memory: before anything imports jax
-    from marljax import host_memory
+    from marljax.core import host_memory
     host_memory.opt_in("marljax.generate")
 
 import argparse
 import sys
 
-from marljax import compile_cache
+from marljax.core import compile_cache
 from marljax.models import ChatCodec, load_model, load_tokenizer
 from marljax.sampling import SamplingParams, generate
 

@@ -6,7 +6,7 @@ step-time estimate for an accelerator, the mesh each cell would use, and a plan 
     python -m marljax.matrix [--accelerator …] [--out DIR]          # DIR/<cell>.yaml + DIR/plan.md
     python -m marljax.matrix --cell voting-math-qwen3-1.7b-isolated --out DIR   # prints the YAML path
     python -m marljax.matrix --emit skypilot DIR --bucket gs://B/matrix [--data-root gs://B/data]
-        # DIR/<cell>.yaml: a SkyPilot managed job per cell, run dir gs://B/matrix/<cell> (`marljax.launch_specs`)
+        # DIR/<cell>.yaml: a SkyPilot managed job per cell, run dir gs://B/matrix/<cell> (`marljax.core.launch_specs`)
     python -m marljax.matrix --aot v5e-8 [--cell NAME …] [--aot-part both|train|engine]
         # compile each cell's train step and rollout engine for a TPU topology (needs libtpu; `marljax.aot`)
 
@@ -25,7 +25,7 @@ The estimates are an explicit model, per chip, stated so they can be checked:
           lengths need from a trainer: micro-batches of one row per chip, layer rematerialisation,
           a flash-style attention (no T² scores) and log-probs in chunks of at most LOGPROB_BYTES of logits.
   time    roofline with efficiencies: decode step = max(bytes / (HBM × 0.6), FLOPs / (peak × 0.4))
-          + the FSDP weight all-gather over ICI, on the rollout engine (`marljax.engine`, sized by
+          + the FSDP weight all-gather over ICI, on the rollout engine (`marljax.sampling.engine`, sized by
           `engine_plan`): continuous batching, so decode steps follow the real tokens — every response
           has its role's fraction of the cap (`Lengths`: 1, every response at its 5,120 math / 2,048
           code cap, is the upper bound the table always shows; `--length-fraction F` or a run's measured
@@ -55,15 +55,15 @@ import sys
 import yaml
 
 from marljax.config import Config, load_config, resolve, to_dict
-from marljax.engine.engine import PREFILL_CHUNK_MIN, prefill_chunk
-from marljax.launch_specs import REMOTE_DATA, Job, LaunchSpecError, target, write_skypilot
+from marljax.core.launch_specs import REMOTE_DATA, Job, LaunchSpecError, target, write_skypilot
+from marljax.core.shapes import bucket, bucket_rows, length_bucket
+from marljax.core.sharding import MeshConfig
 from marljax.models.decoder import LINEAR_AXES, ModelConfig
 from marljax.models.logprobs import LOGPROB_BYTES
 from marljax.models.presets import HUB_IDS, PRESETS
-from marljax.policy_sampler import PAGE_SIZE
 from marljax.rl.policy_map import from_config
-from marljax.shapes import bucket, bucket_rows, length_bucket
-from marljax.sharding import MeshConfig
+from marljax.sampling.engine.engine import PREFILL_CHUNK_MIN, prefill_chunk
+from marljax.sampling.policy_sampler import PAGE_SIZE
 from marljax.workflows import WORKFLOWS as REGISTERED
 from marljax.workflows import get_workflow, paper_limits, workflow_class
 from marljax.workflows.limits import Limits
@@ -279,7 +279,7 @@ def lora_params(cfg: ModelConfig, rank: int) -> int:
 
 
 def lora_params_per_chip(cfg: ModelConfig, rank: int, fsdp: int, tensor: int) -> float:
-    """One LoRA set's parameters per chip as `marljax.sharding` places them: each factor splits only along
+    """One LoRA set's parameters per chip as `marljax.core.sharding` places them: each factor splits only along
     its base weight's side — the `embed` side over fsdp, the heads/MLP side over tensor (KV heads when
     tensor divides them) — and the rank stays whole (checked against the compiled v5e-8 step: with fsdp=4
     an even split over every rank under-counted Qwen3-4B's two sets and their Adam moments by 1.5 GiB)."""
@@ -685,7 +685,7 @@ def main(argv: list[str] | None = None) -> None:
                     "(--emit: a local directory or gs:// URL the jobs mount)")
     ap.add_argument("--emit", nargs=2, metavar=("ORCHESTRATOR", "DIR"), help="write DIR/<cell>.yaml, a job spec "
                     "per cell for the orchestrator (skypilot: `sky jobs launch DIR/<cell>.yaml`), and the cells' "
-                    "configs in DIR/configs (marljax/launch_specs.py)")
+                    "configs in DIR/configs (marljax/core/launch_specs.py)")
     ap.add_argument("--bucket", metavar="gs://BUCKET/PATH", help="--emit: the run dirs' root (a cell's: "
                     "BUCKET/PATH/<cell>)")
     args = ap.parse_args(argv)

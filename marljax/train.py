@@ -17,7 +17,7 @@ the run at the end of the current step with a checkpoint of it and exit status 0
 from __future__ import annotations
 
 if __name__ == "__main__":  # the CLI keeps freed host memory: before anything imports jax
-    from marljax import host_memory
+    from marljax.core import host_memory
     host_memory.opt_in("marljax.train")
 
 import argparse
@@ -35,12 +35,12 @@ from etils import epath
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from marljax import compile_cache, sharding, storage
 from marljax.build import EngineSampler, build_policy, build_problems, build_trainer, build_workflow, init_state
-from marljax.checkpoint import Checkpointer
 from marljax.config import Config, ConfigError, cli_config, describe, leaves, load_config, resolve, to_dict
-from marljax.metrics import MetricsLogger
-from marljax.peer_watch import PeerWatch
+from marljax.core import compile_cache, sharding, storage
+from marljax.core.checkpoint import Checkpointer
+from marljax.core.metrics import MetricsLogger
+from marljax.core.peer_watch import PeerWatch
 from marljax.rl.advantages import compute_advantages, permuted_within_roles
 from marljax.rl.diagnostics import AccuracyTracker, DominanceTracker, LengthDrift
 from marljax.rl.state import TrainState
@@ -400,7 +400,7 @@ def train(cfg: Config, preemption: Preemption | None = None) -> epath.Path:
     log.close()
     if not sharding.is_primary():
         return run.run_dir
-    from marljax.report import write_report
+    from marljax.analysis.report import write_report
     return write_report([run.run_dir])
 
 
@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> None:
         raise
     if not sharding.is_primary():  # process 0 writes and reports
         return
-    from marljax.report import summarize
+    from marljax.analysis.report import summarize
     s = summarize(report.parent)
     if "final" in s:
         noise = f" ± {s['noise']:.3f} ({s['noise_kind']})" if "noise" in s else ""

@@ -20,9 +20,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # probing for a TPU, unless the run asks otherwise.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from marljax import host_memory  # noqa: E402
+from marljax.core import host_memory  # noqa: E402
 
-host_memory.retain()  # before any test imports jax: the malloc the CLIs set (marljax/host_memory.py)
+host_memory.retain()  # before any test imports jax: the malloc the CLIs set (marljax/core/host_memory.py)
 
 
 @pytest.fixture(scope="session")

@@ -20,16 +20,16 @@ import numpy as np
 import optax
 from flax import nnx
 
-from marljax import sharding
-from marljax.checkpoint import Checkpointer
-from marljax.engine.kv_pages import copy_pages, init_pages
-from marljax.engine.paged_attention import gather_dense, refresh_dense, write_pages
+from marljax.core import sharding
+from marljax.core.checkpoint import Checkpointer
+from marljax.core.sharding import MeshConfig
 from marljax.models.decoder import Decoder, ModelConfig
 from marljax.models.lora import LoRAConfig, init_lora
 from marljax.rl.state import TrainState
 from marljax.rl.step import Sample, StepConfig, Trainer, train_batch
 from marljax.sampling import SamplingParams, generate
-from marljax.sharding import MeshConfig
+from marljax.sampling.engine.kv_pages import copy_pages, init_pages
+from marljax.sampling.engine.paged_attention import gather_dense, refresh_dense, write_pages
 
 CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=4, head_dim=16, rope_theta=10_000.0)

@@ -29,7 +29,7 @@ def test_aot_refuses_a_logprob_budget_below_one_byte(capsys):
 def test_cpu_runs_stay_on_the_cpu_with_libtpu_installed():
     """The test session's (and its subprocesses') jax runs on the CPU and an entry point that opts in keeps host memory,
     libtpu or not."""
-    out = subprocess.run([sys.executable, "-c", "from marljax import host_memory; host_memory.retain(); import jax; "
+    out = subprocess.run([sys.executable, "-c", "from marljax.core import host_memory; host_memory.retain(); import jax; "
                           "print(jax.default_backend(), host_memory.state)"],
                          env={**os.environ, "MARLJAX_HOST_MALLOC": "auto"}, capture_output=True, text=True,
                          check=True)
@@ -91,8 +91,8 @@ def test_long_context_train_step_compiles_for_v5e_with_linear_temp_memory():
 
 _SPLASH_ON_A_MESH = """
 import numpy as np, jax, jax.numpy as jnp
-from marljax import sharding
 from marljax.config import MeshConfig
+from marljax.core import sharding
 from marljax.models.attention import causal_attention
 B, T, H, K, Dh = 4, 130, 4, 2, 8
 q, k, v = (jax.random.normal(jax.random.key(i), (B, T, h, Dh)) for i, h in enumerate((H, K, K)))
@@ -127,8 +127,8 @@ def test_rollout_engine_compiles_for_v5e_with_its_pool_in_place():
     is donated (aliased, not copied); XLA counts one decode step's matmuls (the while body once) at the
     model's 2 × matmul parameters per row (within 10%)."""
     from marljax import aot
-    from marljax.engine.kv_pages import page_bytes
     from marljax.models.presets import PRESETS
+    from marljax.sampling.engine.kv_pages import page_bytes
     cell = next(c for c in matrix.cells() if c.name == "single-code-qwen3-0.6b")
     acc = matrix.ACCELERATORS["v5e-8"]
     est = matrix.estimate(cell, acc)
@@ -165,9 +165,9 @@ def test_per_row_lora_engine_compiles_for_v5e_with_each_ranks_adapters_on_its_ch
     prefill's temporaries stay under 0.5 GiB (XLA's partitioner also all-gathers the 8 ranks' 8,192-token
     chunks: 0.83 GiB)."""
     from marljax import aot
-    from marljax.engine.kv_pages import page_bytes
     from marljax.models.presets import PRESETS
     from marljax.rl.policy_map import from_config
+    from marljax.sampling.engine.kv_pages import page_bytes
     cell = next(c for c in matrix.cells() if c.name == "voting-math-qwen3-0.6b-isolated")
     acc = matrix.ACCELERATORS["v5e-8"]
     est = matrix.estimate(cell, acc)

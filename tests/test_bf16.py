@@ -26,16 +26,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from marljax.engine.kv_pages import init_pages
+from marljax.config import Config, ConfigError, resolve
 from marljax.models import ChatCodec, load_tokenizer
 from marljax.models.decoder import Decoder, ModelConfig, linear, trainable_params
-from marljax.models.precision import dot_f32, set_at
-from marljax.config import Config, ConfigError, resolve
 from marljax.models.loading import load_model, random_model
-from marljax.models.presets import PRESETS
 from marljax.models.lora import LoRAConfig, init_lora
+from marljax.models.precision import dot_f32, set_at
+from marljax.models.presets import PRESETS
 from marljax.rl.step import RoleBatch, Sample, StepConfig, Trainer, make_optimizer, pack
 from marljax.sampling import SamplingParams, generate, layer_weights
+from marljax.sampling.engine.kv_pages import init_pages
 
 U = 2.0 ** -8
 ROUNDINGS = 12

@@ -2,7 +2,7 @@
 would roll back to, whatever `checkpoint.keep` deletes."""
 import numpy as np
 
-from marljax.checkpoint import Checkpointer
+from marljax.core.checkpoint import Checkpointer
 
 
 def test_peak_survives_retention_and_resume(tmp_path):

@@ -10,8 +10,8 @@ import yaml
 
 from scipy import stats
 
+from marljax.analysis.seed_stats import difference, t_interval
 from marljax.compare import conditions, main, run_series
-from marljax.seed_stats import difference, t_interval
 
 
 def _run(tmp_path, name, n_votes, seed, values):

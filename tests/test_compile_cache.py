@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 
-PROBE = ("import jax, jax.numpy as jnp; from marljax import compile_cache; d = compile_cache.enable(); "
+PROBE = ("import jax, jax.numpy as jnp; from marljax.core import compile_cache; d = compile_cache.enable(); "
          "jax.jit(lambda x: jnp.sin(x) @ x)(jnp.ones((8, 8))).block_until_ready(); print(d)")
 
 

@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (`marljax.engine.cpu_attention`) against a float64 numpy reference,
+"""The CPU decode-attention kernel (`marljax.sampling.engine.cpu_attention`) against a float64 numpy reference,
 its segments against the decoder's masked `segmented_attention`, that loading it leaves the process's
 floating point alone, and its build: cache key, no replacing a cached library, errors."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marljax.engine import cpu_attention
 from marljax.models.attention import segmented_attention
+from marljax.sampling.engine import cpu_attention
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CI = os.environ.get("CI") == "true"
@@ -116,7 +116,7 @@ def test_loading_the_kernel_keeps_denormals():
     whole process when the library is loaded. In a fresh interpreter (this one may have loaded it already),
     a float32 denormal times 1 stays itself after the kernel is loaded."""
     code = ("import numpy as np\n"
-            "from marljax.engine import cpu_attention\n"
+            "from marljax.sampling.engine import cpu_attention\n"
             "tiny = np.float32(1e-39)\n"
             "assert tiny * np.float32(1) != 0\n"
             "assert cpu_attention.unavailable() is None\n"

@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from marljax.engine import Engine, cpu_attention
-from marljax.engine.batch import block_groups, stable_rows
-from marljax.engine.engine import prefill_chunk
-from marljax.engine.kv_pages import PagePool, page_bytes
-from marljax.engine.paged_attention import (CHUNK_PATHS, gather_attention, interleave, kernel_cache_attention,
+from marljax.sampling.engine import Engine, cpu_attention
+from marljax.sampling.engine.batch import block_groups, stable_rows
+from marljax.sampling.engine.engine import prefill_chunk
+from marljax.sampling.engine.kv_pages import PagePool, page_bytes
+from marljax.sampling.engine.paged_attention import (CHUNK_PATHS, gather_attention, interleave, kernel_cache_attention,
                                             length_groups, resolve_paged_attention, write_pages)
+from marljax.core.shapes import page_bucket
 from marljax.models.attention import attention
 from marljax.models.decoder import Decoder, ModelConfig
 from marljax.sampling import SamplingParams
-from marljax.shapes import page_bucket
 
 from uncached_reference import check_greedy, results
 
@@ -109,9 +109,9 @@ def test_tpu_kernel_in_interpret_mode_equals_gather_path():
 
 _KERNEL_ON_A_MESH = """
 import numpy as np, jax, jax.numpy as jnp
-from marljax import sharding
 from marljax.config import MeshConfig
-from marljax.engine.paged_attention import _gathered, gather_attention, per_shard, write_pages
+from marljax.core import sharding
+from marljax.sampling.engine.paged_attention import _gathered, gather_attention, per_shard, write_pages
 B, T, H, K, Dh, ps, N = 4, 1, 4, 2, 128, 4, 6
 ks = jax.random.split(jax.random.key(0), 3)
 q = jax.random.normal(ks[0], (B, T, H, Dh))
@@ -149,14 +149,14 @@ def test_kernel_path_runs_per_rank_pool_on_a_mesh():
 _SAMPLER_ON_A_MESH = """
 import dataclasses
 import numpy as np, jax
-from marljax import sharding
 from marljax.config import MeshConfig
-from marljax.engine import Engine, cpu_attention
+from marljax.core import sharding
 from marljax.models.loading import load_model
 from marljax.models.lora import LoRAConfig, init_lora
 from marljax.models.presets import get_preset
-from marljax.policy_sampler import PolicySampler, SamplerSettings
 from marljax.sampling import SamplingParams, layer_weights
+from marljax.sampling.engine import Engine, cpu_attention
+from marljax.sampling.policy_sampler import PolicySampler, SamplerSettings
 lora = LoRAConfig(rank=4, alpha=8)
 model = load_model("tiny-qwen3", seed=0)
 ad = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(2), x.shape),

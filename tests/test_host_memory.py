@@ -1,5 +1,5 @@
 """The CLIs keep freed host memory (glibc), so XLA CPU's per-call temp buffer is not faulted in again on
-every call; importing marljax changes nothing (marljax/host_memory.py)."""
+every call; importing marljax changes nothing (marljax/core/host_memory.py)."""
 import glob
 import os
 import platform
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from marljax import host_memory
+from marljax.core import host_memory
 
 # A jitted program whose temp buffer holds a 64 MB intermediate ([4096, 4096] float32); prints the state
 # and the median minor page faults of 7 calls after 3 warm-up calls, each call after a 0.3 s pause. (XLA
@@ -16,7 +16,7 @@ from marljax import host_memory
 # allocates a second buffer, and the kept heap grows by one. A train loop's rollouts give that pause.)
 _PROBE = """
 import resource, statistics, time
-from marljax import host_memory
+from marljax.core import host_memory
 host_memory.retain()
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x: ((x @ x.T) @ x).sum() + (jnp.exp(x @ x.T) @ x).sum())
@@ -55,7 +55,7 @@ def test_temp_buffer_is_not_faulted_in_again_on_every_call():
 
 
 def test_retention_is_skipped_with_a_reason_when_jax_came_first():
-    out = subprocess.run([sys.executable, "-c", "import jax; from marljax import host_memory; print(host_memory.retain())"],
+    out = subprocess.run([sys.executable, "-c", "import jax; from marljax.core import host_memory; print(host_memory.retain())"],
                          env={**os.environ, "MARLJAX_HOST_MALLOC": "retain"}, capture_output=True, text=True,
                          check=True)
     assert "jax was imported first" in out.stdout
@@ -93,9 +93,9 @@ def _arenas(setup: str, *args: str) -> tuple[int, str]:
                     reason="host memory retention is glibc-only (mallopt); this platform leaves malloc alone")
 def test_importing_marljax_changes_no_malloc_setting_and_the_cli_path_does():
     imported, state = _arenas("import marljax, marljax.train, marljax.evaluate, marljax.generate\n"
-                              "from marljax import host_memory")
+                              "from marljax.core import host_memory")
     assert state == "not run" and imported > 1, (imported, state)
-    retained, state = _arenas("from marljax import host_memory\nhost_memory.opt_in('probe')")
+    retained, state = _arenas("from marljax.core import host_memory\nhost_memory.opt_in('probe')")
     assert state == "retained" and retained == 1, (retained, state)
 
 
@@ -103,7 +103,7 @@ def test_the_cli_opts_in_and_says_so():
     out = subprocess.run([sys.executable, "-m", "marljax.train", "--print-config", "model=tiny-qwen3"],
                          env={**os.environ, "MARLJAX_HOST_MALLOC": "system"}, capture_output=True, text=True, check=True)
     assert out.stderr.splitlines()[0] == ("marljax.train: host malloc off (MARLJAX_HOST_MALLOC=system); "
-                                          "see marljax/host_memory.py")
+                                          "see marljax/core/host_memory.py")
 
 
 def _state(tmp_path, plugin="jax_cuda12_plugin", **env) -> subprocess.CompletedProcess:
@@ -112,7 +112,7 @@ def _state(tmp_path, plugin="jax_cuda12_plugin", **env) -> subprocess.CompletedP
     (tmp_path / plugin).mkdir(exist_ok=True)
     (tmp_path / plugin / "__init__.py").write_text("")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", **env}
-    return subprocess.run([sys.executable, "-c", "from marljax import host_memory; print(host_memory.retain())"],
+    return subprocess.run([sys.executable, "-c", "from marljax.core import host_memory; print(host_memory.retain())"],
                           env={k: v for k, v in env.items() if v is not None}, capture_output=True, text=True)
 
 

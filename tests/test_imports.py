@@ -10,23 +10,23 @@ import pkgutil
 
 PACKAGE = "marljax"
 
+# The entry points (`python -m marljax.NAME`): at the top of marljax/, each with a `__main__`, imported by
+# nothing (what they share lives below them: `marljax.build`, `marljax.analysis`).
+ENTRY_POINTS = ("train", "evaluate", "report", "compare", "generate", "matrix")
 # Layers, lowest first, and what each may import (STYLE.md §1). A module's layer is that of the longest
 # prefix listed here; a module none matches fails the test until it is placed.
 LAYERS: dict[str, str] = {
-    "marljax.sharding": "core", "marljax.shapes": "core", "marljax.host_memory": "core",
-    "marljax.compile_cache": "core", "marljax.storage": "core", "marljax.peer_watch": "core",
+    "marljax.core": "core",
     "marljax.models": "models",
-    "marljax.sampling": "sampling", "marljax.policy_sampler": "sampling", "marljax.engine": "sampling",
+    "marljax.sampling": "sampling",
     "marljax.tasks": "tasks",
     "marljax.workflows": "workflows",
     "marljax.rl": "rl",
-    "marljax.config": "build", "marljax.build": "build",
-    **{f"marljax.{m}": "entry" for m in ("train", "evaluate", "report", "compare", "generate", "matrix",
-                                         "checkpoint", "metrics", "aot", "_cli", "launch_specs", "seed_stats")},
+    "marljax.config": "build", "marljax.build": "build", "marljax.aot": "build",
+    "marljax.analysis": "analysis",
+    **{f"marljax.{m}": "entry" for m in ENTRY_POINTS},
     "marljax": "entry",
 }
-# Entry points that nothing imports: what they share lives below them (`marljax.build`).
-IMPORTED_BY_NOTHING = ("marljax.train", "marljax.evaluate")
 MAY_IMPORT: dict[str, set[str]] = {
     "core": {"core"},
     "models": {"models", "core"},
@@ -35,8 +35,11 @@ MAY_IMPORT: dict[str, set[str]] = {
     "workflows": {"workflows", "tasks"},
     "rl": {"rl", "sampling", "models", "core"},
     "build": {"build", "rl", "workflows", "tasks", "sampling", "models", "core"},
-    "entry": {"entry", "build", "rl", "workflows", "tasks", "sampling", "models", "core"},
+    "analysis": {"analysis", "build", "rl", "workflows", "tasks", "sampling", "models", "core"},
+    "entry": {"analysis", "build", "rl", "workflows", "tasks", "sampling", "models", "core"},
 }
+# Where each layer lives: a package of its own, or (build, entry) modules at the top of marljax/.
+PACKAGES = ("core", "models", "sampling", "tasks", "workflows", "rl", "analysis")
 
 Graph = dict[str, list[tuple[str, int]]]  # module -> [(imported module of the package, line)]
 
@@ -172,25 +175,38 @@ def test_imports_point_down_and_form_no_cycle():
     assert not problems, "\n".join(problems)
 
 
-def test_nothing_imports_the_train_and_evaluate_entry_points():
-    """`train`, `evaluate`, `aot` and the benchmarks build through `marljax.build`: no module of the package
-    and no script in bench/ reaches into `train` or `evaluate`."""
+def test_nothing_imports_an_entry_point():
+    """No module of the package imports an entry point (what they share lives below them), and no script
+    in bench/ reaches into `train` or `evaluate` (the benchmarks build through `marljax.build`)."""
     root = package_root()
     graph = import_graph(package_sources(root))
+    entries = {f"{PACKAGE}.{m}" for m in ENTRY_POINTS}
+    into = [f"{m}:{line} imports {t}" for m, edges in sorted(graph.items()) for t, line in edges if t in entries]
     for script in sorted((root.parent / "bench").glob("*.py")):
-        graph[str(script.relative_to(root.parent))] = [
-            (a.name if isinstance(node, ast.Import) else node.module or "", node.lineno)
-            for node in ast.walk(ast.parse(script.read_text())) if isinstance(node, (ast.Import, ast.ImportFrom))
-            for a in node.names]
-    into = [f"{m}:{line} imports {t}" for m, edges in sorted(graph.items()) for t, line in edges
-            if t in IMPORTED_BY_NOTHING]
+        into += [f"{script.name}:{node.lineno} imports {name}" for node in ast.walk(ast.parse(script.read_text()))
+                 if isinstance(node, (ast.Import, ast.ImportFrom))
+                 for name in [a.name if isinstance(node, ast.Import) else f"{node.module}.{a.name}" for a in node.names]
+                 if name in (f"{PACKAGE}.train", f"{PACKAGE}.evaluate")]
     assert len(graph) > 40 and not into, "\n".join(into)
+
+
+def test_the_tree_shows_the_layers():
+    """A module's path names its layer: each layer below build is a package of that name; the top of
+    marljax/ holds the build modules and the entry points, each of which runs as `python -m`."""
+    root = package_root()
+    top = {info.name: info.ispkg for info in pkgutil.iter_modules([str(root)])}
+    assert {name for name, ispkg in top.items() if ispkg} == set(PACKAGES)
+    assert all(layer_of(f"{PACKAGE}.{name}") == name for name in PACKAGES)
+    modules = sorted(name for name, ispkg in top.items() if not ispkg)
+    assert [m for m in modules if layer_of(f"{PACKAGE}.{m}") not in ("build", "entry")] == []
+    mains = {m for m in modules if 'if __name__ == "__main__":' in (root / f"{m}.py").read_text()}
+    assert mains == set(ENTRY_POINTS), "entry points: exactly the top-level modules that run as `python -m`"
 
 
 def test_the_checker_finds_an_upward_import_a_forbidden_one_and_a_cycle():
     graph: Graph = {
-        "marljax.models.decoder": [("marljax.sharding", 3), ("marljax.train", 4)],  # upward
-        "marljax.sharding": [],
+        "marljax.models.decoder": [("marljax.core.sharding", 3), ("marljax.train", 4)],  # upward
+        "marljax.core.sharding": [],
         "marljax.train": [("marljax.models.decoder", 1)],
         "marljax.tasks.arith": [("marljax.tasks.data", 2)],
         "marljax.tasks.data": [("marljax.tasks.arith", 5), ("marljax.sampling", 6)],  # tasks may not
@@ -212,19 +228,22 @@ def test_the_checker_finds_an_upward_import_a_forbidden_one_and_a_cycle():
 def test_import_graph_reads_deferred_relative_and_from_imports(tmp_path):
     pkg = tmp_path / "marljax"
     (pkg / "tasks").mkdir(parents=True)
+    (pkg / "core").mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "sharding.py").write_text("")
+    (pkg / "core" / "__init__.py").write_text("")
+    (pkg / "core" / "sharding.py").write_text("")
     (pkg / "tasks" / "__init__.py").write_text("from . import data\n")
     (pkg / "tasks" / "data.py").write_text("import os\n\ndef f():\n    from marljax.tasks.arith import g\n")
-    (pkg / "tasks" / "arith.py").write_text("from .data import f\nfrom marljax import sharding, __version__\n")
+    (pkg / "tasks" / "arith.py").write_text("from .data import f\nfrom marljax.core import sharding\n"
+                                            "from marljax import __version__\n")
     graph = import_graph(package_sources(pkg))
-    assert graph == {"marljax": [], "marljax.sharding": [],
+    assert graph == {"marljax": [], "marljax.core": [], "marljax.core.sharding": [],
                      "marljax.tasks": [("marljax.tasks.data", 1)],
                      "marljax.tasks.data": [("marljax.tasks.arith", 4)],
-                     "marljax.tasks.arith": [("marljax.tasks.data", 1), ("marljax.sharding", 2)]}
+                     "marljax.tasks.arith": [("marljax.tasks.data", 1), ("marljax.core.sharding", 2)]}
     assert cycles(graph) == [["marljax.tasks.arith", "marljax.tasks.data", "marljax.tasks.arith"]]
     assert layer_violations(graph, {m: m for m in graph}) == [
-        "marljax.tasks.arith:2: marljax.tasks.arith (tasks) imports marljax.sharding (core); the tasks layer "
+        "marljax.tasks.arith:2: marljax.tasks.arith (tasks) imports marljax.core.sharding (core); the tasks layer "
         "may import only ['tasks']"]
 
 
@@ -262,7 +281,7 @@ def test_no_module_uses_another_modules_private_names():
 
 
 def test_private_uses_are_found(tmp_path):
-    (tmp_path / "a.py").write_text("from marljax.engine.engine import _hidden\nx = engine._spare()\n"
+    (tmp_path / "a.py").write_text("from marljax.sampling.engine.engine import _hidden\nx = engine._spare()\n"
                                    "class C:\n    def _own(self):\n        return other._own(), t._replace()\n")
-    assert private_uses({"a": tmp_path / "a.py"}) == ["a.py:1 imports marljax.engine.engine._hidden",
+    assert private_uses({"a": tmp_path / "a.py"}) == ["a.py:1 imports marljax.sampling.engine.engine._hidden",
                                                       "a.py:2 uses engine._spare"]

@@ -15,8 +15,9 @@ import sys
 
 import pytest
 
-from marljax import launch_specs, matrix
+from marljax import matrix
 from marljax.config import load_config
+from marljax.core import launch_specs
 from marljax.models.presets import HUB_IDS
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marljax.engine.kv_pages import init_pages
-from marljax.engine.paged_attention import paged_cache_attention
 from marljax.models.lora import LoRAConfig, init_lora, stack_adapters
 from marljax.sampling import layer_weights
+from marljax.sampling.engine.kv_pages import init_pages
+from marljax.sampling.engine.paged_attention import paged_cache_attention
 
 from test_bf16 import _tiny, rel_error
 

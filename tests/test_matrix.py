@@ -13,11 +13,11 @@ from flax import nnx
 
 from marljax import matrix
 from marljax.config import load_config
-from marljax.engine.kv_pages import init_pages
 from marljax.models.decoder import Decoder
 from marljax.models.lora import LoRAConfig, init_lora, stack_adapters
 from marljax.models.presets import PRESETS
 from marljax.rl.step import make_optimizer
+from marljax.sampling.engine.kv_pages import init_pages
 
 
 def test_dry_run_prints_one_row_per_cell(capsys):

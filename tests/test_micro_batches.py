@@ -11,8 +11,8 @@ import numpy as np
 import optax
 import pytest
 
+from marljax.core.shapes import bucket_rows
 from marljax.rl.step import Sample, StepConfig, Trainer, micro_batches, packed_tokens, train_batch
-from marljax.shapes import bucket_rows
 from test_step import LORA, _adapter, _model
 
 ROUTES = {"shared": (("generator", "s"), ("aggregator", "s")),

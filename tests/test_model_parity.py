@@ -12,10 +12,10 @@ import pytest  # noqa: E402
 torch = pytest.importorskip("torch", reason="torch (test dependency) is not installed")
 transformers = pytest.importorskip("transformers")
 
-from marljax.engine import Engine  # noqa: E402
 from marljax.models import ChatCodec, load_model, load_tokenizer, save_hf  # noqa: E402
 from marljax.models.presets import PRESETS  # noqa: E402
 from marljax.sampling import SamplingParams  # noqa: E402
+from marljax.sampling.engine import Engine  # noqa: E402
 
 TOL = 1e-4  # max |ours - transformers| <= TOL * max |logit|
 

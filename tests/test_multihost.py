@@ -26,7 +26,7 @@ ARGS = ["model=tiny-qwen3", "task=parity", "task.options={}", "sampling.max_new_
         "rl.rollouts=2", "task.eval_n=2", "eval.every=2", "lora.rank=4", "lora.layers=null", "optim.lr=1e-3",
         "optim.warmup_steps=0", "optim.schedule=constant", "task.train_size=8", "workflow=voting", "policy=shared",
         "mesh.data=2", "mesh.fsdp=2", "checkpoint.every=1", "seed=0"]
-PEER_TIMEOUT = 10  # s: MARLJAX_PEER_TIMEOUT of the multi-process runs (marljax/peer_watch.py)
+PEER_TIMEOUT = 10  # s: MARLJAX_PEER_TIMEOUT of the multi-process runs (marljax/core/peer_watch.py)
 RTOL, ATOL = 1e-5, 1e-7  # metrics of 2 processes vs 1 (ATOL: losses that are zero up to rounding, ~1e-9)
 GAP_ATOL = 1e-5  # role/*/logp_gap*: the sampler's and the trainer's log-probs differ by float32 ulps (~1e-6)
 

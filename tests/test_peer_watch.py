@@ -1,4 +1,4 @@
-"""`PeerWatch` (marljax/peer_watch.py) against a stand-in for jax.distributed's key-value store: a silent
+"""`PeerWatch` (marljax/core/peer_watch.py) against a stand-in for jax.distributed's key-value store: a silent
 peer, a store that stops answering, and peers that finished or beat on stay quiet. The multi-process
 runs themselves are in tests/test_multihost.py (slow)."""
 import threading
@@ -7,8 +7,8 @@ import time
 import jax
 import pytest
 
-from marljax import peer_watch
-from marljax.peer_watch import PeerWatch
+from marljax.core import peer_watch
+from marljax.core.peer_watch import PeerWatch
 
 
 class Store:

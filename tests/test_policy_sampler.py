@@ -6,13 +6,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from marljax import sharding
+from marljax.core import sharding
+from marljax.core.sharding import MeshConfig
 from marljax.models.loading import load_model
-from marljax.models.presets import get_preset
-from marljax.policy_sampler import PolicySampler, SamplerSettings
 from marljax.models.lora import LoRAConfig, init_lora
+from marljax.models.presets import get_preset
 from marljax.sampling import SamplingParams, generate, layer_weights
-from marljax.sharding import MeshConfig
+from marljax.sampling.policy_sampler import PolicySampler, SamplerSettings
 
 LORA = LoRAConfig(rank=4, alpha=8)
 PROMPTS = [[5, 6, 7], list(range(10, 41)), [9], [3, 1, 4, 1, 5, 9, 2, 6], [100, 2000, 30000, 7, 8]]

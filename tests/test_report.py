@@ -6,7 +6,7 @@ import pytest
 import yaml
 from scipy import stats
 
-from marljax.report import PAIRED, UNPAIRED, summarize, table, write_report
+from marljax.analysis.report import PAIRED, UNPAIRED, summarize, table, write_report
 
 
 def _run(tmp_path, name, accs, policy="shared", steps=10, workflow="voting", n_problems=None):
@@ -131,7 +131,7 @@ def test_a_tied_dominant_role_is_the_first_seen_whatever_the_hash_seed():
     import os
     import subprocess
     import sys
-    code = ("from marljax.report import mode; "
+    code = ("from marljax.analysis.report import mode; "
             "print(mode(['worker', 'orchestrator', 'synthesizer', 'orchestrator', 'worker', 'synthesizer']))")
     got = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": str(seed)},
                           capture_output=True, text=True, check=True).stdout.strip() for seed in range(8)}

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from test_train import TINY
 
-from marljax.checkpoint import Checkpointer
 from marljax.config import ConfigError, load_config
+from marljax.core.checkpoint import Checkpointer
 from marljax.train import Run
 from marljax.train import main as train_main
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from marljax.config import ConfigError, load_config
-from marljax.metrics import MetricsLogger, read_metrics
+from marljax.core.metrics import MetricsLogger, read_metrics
 from marljax.tasks import sandbox
 from marljax.train import main as train_main
 from test_train import TINY

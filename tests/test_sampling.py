@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from marljax.engine.draw import blocked_categorical
 from marljax.models.decoder import Decoder, ModelConfig
 from marljax.models.lora import LoRAConfig, init_lora, merged_model
-from marljax.engine.engine import NUM_SLOTS
 from marljax.sampling import SamplingParams, choose, first_argmax, generate, layer_weights, model_layers
+from marljax.sampling.engine.draw import blocked_categorical
+from marljax.sampling.engine.engine import NUM_SLOTS
 
 CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, rope_theta=10_000.0, tie_embeddings=False)

@@ -1,5 +1,5 @@
 """Shape buckets: powers of two, batch rows in eighths of a doubling, sequence lengths in quarters."""
-from marljax.shapes import bucket, bucket_rows, length_bucket
+from marljax.core.shapes import bucket, bucket_rows, length_bucket
 
 
 def test_bucket_is_the_next_power_of_two_above_a_minimum():
@@ -25,7 +25,7 @@ def test_lengths_take_two_shapes_per_doubling_in_multiples_of_16():
 
 
 def test_page_bucket_takes_three_quarters_or_the_power_of_two():
-    from marljax.shapes import page_bucket
+    from marljax.core.shapes import page_bucket
     assert [page_bucket(n) for n in (1, 2, 3, 4, 5, 6, 7, 9, 12, 13, 21, 24, 25)] == [1, 2, 3, 4, 6, 6, 8, 12, 12, 16,
                                                                                       24, 24, 32]
     assert all(n <= page_bucket(n) < 1.5 * n for n in range(3, 3000))

@@ -13,11 +13,11 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from marljax import sharding
 from marljax.config import load_config
+from marljax.core import sharding
+from marljax.core.sharding import MeshConfig
 from marljax.models.decoder import Decoder
 from marljax.models.presets import PRESETS
-from marljax.sharding import MeshConfig
 
 HERE = pathlib.Path(__file__).resolve().parent
 TOL = 1e-5

@@ -227,9 +227,9 @@ def test_rollout_pools_are_freed_before_the_update(tmp_path, monkeypatch):
     """A training step frees the rollout engine's page pools (and the engines' spare pools) before the update
     runs: when `train_batch` starts, no live array has a pool's shape ([ranks, pages, page_size,
     2·kv_heads, head_dim]); during the rollout there was one per layer."""
-    import marljax.train as train
-    from marljax.engine import engine
     from marljax.models.presets import PRESETS
+    from marljax.sampling.engine import engine
+    import marljax.train as train
     cfg = PRESETS["tiny-qwen3"]
 
     def pools():
@@ -283,7 +283,7 @@ def test_the_sampling_section_builds_the_samplers_settings():
     each field of `SamplerSettings` but the codec's stop ids is the section's field of that name."""
     import dataclasses
 
-    from marljax.policy_sampler import SamplerSettings
+    from marljax.sampling.policy_sampler import SamplerSettings
     cfg = load_config(None, ["sampling.max_new_tokens=7", "sampling.top_k=5", "sampling.num_slots=3",
                              "sampling.chunk_steps=4", "sampling.mix_sets=true", "sampling.admission=optimistic"])
     settings = cfg.sampling.build((2, 9))

@@ -15,10 +15,10 @@ from test_report import _run as synthetic_run
 from test_rollback import _equal
 from test_train import TINY
 
-from marljax.checkpoint import Checkpointer
+from marljax.analysis.report import write_report
+from marljax.core.checkpoint import Checkpointer
 from marljax.evaluate import build
 from marljax.evaluate import main as evaluate_main
-from marljax.report import write_report
 from marljax.train import Run
 from marljax.train import main as train_main
 

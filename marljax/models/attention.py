@@ -4,7 +4,7 @@ materialise T×T scores.
 `causal_attention` is the one entry, chosen by `ATTENTIONS` name:
   dense      `attention` (keys [B, K, D, S], values [B, K, S, D]) over a [B, T, T] mask (the CPU's fastest
              at short T; its float32 scores and probabilities are B·H·T² each); the rollout engine reads
-             its pages through the same `attention` (`marljax.engine.paged_attention`)
+             its pages through the same `attention` (`marljax.sampling.engine.paged_attention`)
   blockwise  query-chunk × key-chunk online softmax (flash-style) in pure JAX, with a custom VJP that
              recomputes the scores chunk by chunk: memory linear in T, forward and backward; chunk
              pairs with no visible key are skipped (the causal upper half)
@@ -100,7 +100,7 @@ def segmented_attention(q_bthd, segments):
     own mask and length S) as if concatenated along their positions, without concatenating them: one
     softmax over all the segments' scores, the value products summed. The rollout engine's decode chunk
     attends a read-only dense cache and the chunk's own new keys as two segments, so a step writes a small
-    buffer, not the cache (`marljax.engine.paged_attention.chunk_cache_attention`)."""
+    buffer, not the cache (`marljax.sampling.engine.paged_attention.chunk_cache_attention`)."""
     B, T, H, D = q_bthd.shape
     K = segments[0][0].shape[1]
     q = q_bthd.reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)
@@ -140,7 +140,7 @@ def splash_attention(q_bthd, k_btkd, v_btkd, kv_mask_bt=None, *, interpret: bool
     heads. `interpret` (default: unless `target_backend()` is a TPU) runs the kernel in Pallas'
     interpreter. On a mesh (`sharding.use_mesh`) the kernel runs per shard: rows split like the
     batch, heads like `act_heads` when the KV heads split the same way (else heads replicated)."""
-    from marljax import sharding
+    from marljax.core import sharding
 
     real_bt = jnp.ones(q_bthd.shape[:2], bool) if kv_mask_bt is None else kv_mask_bt
     interpret = target_backend() != "tpu" if interpret is None else interpret

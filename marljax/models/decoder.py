@@ -2,17 +2,17 @@
 
 Layers are stored stacked (leading `layers` axis) and run under `jax.lax.scan`, so a 36-layer model
 compiles as fast as a 1-layer one. Every parameter carries logical axis names (`logical_axes`)
-that `marljax.sharding` maps onto a device mesh; activations are constrained by logical name too
-(`marljax.sharding.constrain`, a no-op without a mesh).
+that `marljax.core.sharding` maps onto a device mesh; activations are constrained by logical name too
+(`marljax.core.sharding.constrain`, a no-op without a mesh).
 
 The forward pass optionally takes LoRA adapters as a plain pytree (`lora`), so one frozen base serves
 any number of adapter sets (one per parameter set of the role map), and, for sampling, a KV cache with the
-hook that reads and writes it (the rollout engine's pages, `marljax.engine.paged_attention`); with a
+hook that reads and writes it (the rollout engine's pages, `marljax.sampling.engine.paged_attention`); with a
 cache, one batch may mix the sets, each row applying its own (`hidden`'s `lora_groups`).
 
 Shape suffixes, the one legend of the package: an array's name ends in one lower-case letter per axis,
 in order (`q_bthd` is [B, T, H, D]); docstrings and comments write the same letters upper-case. The
-model letters are the initials of the logical axis names in `marljax.sharding`.
+model letters are the initials of the logical axis names in `marljax.core.sharding`.
   b  batch rows (sequences, samples; the trainer's rows, the rollout engine's prefill and decode rows)
   t  positions of a sequence (the token axis; the queries in attention)
   s  key positions attended to: the KV cache's columns (in the uncached pass the keys are the t axis)
@@ -27,7 +27,7 @@ model letters are the initials of the logical axis names in `marljax.sharding`.
   v  vocabulary
   l  layers (the stacked leading axis of parameters and adapters)
   1  an axis of size one
-The rollout engine's KV pages and requests (`marljax.engine`):
+The rollout engine's KV pages and requests (`marljax.sampling.engine`):
   a  data-parallel ranks (one page pool each)
   m  pages of a pool
   i  positions within one page (`page_size`)
@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from marljax import sharding
+from marljax.core import sharding
 from marljax.models.attention import causal_attention, resolve_attention
 from marljax.models.precision import check_dtype, dot_f32
 
@@ -281,7 +281,7 @@ class Decoder(nnx.Module):
         Cached (the rollout engine): `cache` holds one state per layer and `cache_attention(q, k, v, kv,
         positions_bt) -> (attn, new_kv)` writes the T new keys and values of row b at its positions
         positions_bt[b] and attends every key at a position ≤ the query's own (the engine's KV pages,
-        `marljax.engine.paged_attention`). The layers run as a Python loop over per-layer weights: a scan
+        `marljax.sampling.engine.paged_attention`). The layers run as a Python loop over per-layer weights: a scan
         would copy each layer's weight and cache slices out of the stacked arrays on every step. Pass
         `layers=self.layer_list()`, made once outside a decode loop, to read those weights in place.
 
@@ -295,7 +295,7 @@ class Decoder(nnx.Module):
         B, T = tokens_bt.shape
         if (cache is None) != (cache_attention is None):
             raise ValueError("the cached path takes `cache` and `cache_attention` together (the rollout engine's "
-                             "pages and hook, marljax.engine.paged_attention); the uncached pass takes neither.")
+                             "pages and hook, marljax.sampling.engine.paged_attention); the uncached pass takes neither.")
         token_groups = None if lora_groups is None else _token_groups(lora, lora_groups, cache, T)
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))

@@ -22,9 +22,9 @@ from marljax.models.decoder import Decoder, ModelConfig
 from marljax.models.gguf import read_gguf
 from marljax.models.hf import (CheckpointError, Tensor, check_shape, config_to_hf, few, hf_ignorable, hf_names,
                                hf_tensor_to_slot, hf_tensors_of, read_hf_config, safetensors_tensors)
+from marljax.models.precision import check_dtype
 from marljax.models.presets import HUB_IDS, PRESETS, RANDOM_PRESETS
 from marljax.models.sources import resolve_source
-from marljax.models.precision import check_dtype
 
 
 def _place(value: np.ndarray, sharding=None):
@@ -146,7 +146,7 @@ def load_model(source: str | os.PathLike, dtype: str = "float32", seed: int = 0,
                shardings=None, param_dtype: str | None = None) -> Decoder:
     """A preset name, a HF checkpoint dir or a .gguf file -> Decoder (`seed`: random presets), computing
     in `dtype` with its parameters stored in `param_dtype` (None: `dtype`; see models/precision.py).
-    `shardings`: Variable -> Sharding (`marljax.sharding.variable_sharding`) placing each parameter
+    `shardings`: Variable -> Sharding (`marljax.core.sharding.variable_sharding`) placing each parameter
     on a device mesh as it is read."""
     check_dtype("dtype", dtype)
     if param_dtype is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from marljax import sharding
+from marljax.core import sharding
 
 # Float32 logits one chunk may hold per chip: 220 positions of one Qwen3 row (151,936 logits each; the former
 # fixed 256-position chunk held 148 MiB), 682 of SmolLM2's (49,152). A response that fits is one pass.

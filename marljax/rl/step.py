@@ -57,6 +57,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from marljax.core.shapes import bucket, bucket_rows, length_bucket
 from marljax.models.attention import check_attention
 from marljax.models.decoder import REMAT, Decoder
 from marljax.models.logprobs import target_logprobs
@@ -65,7 +66,6 @@ from marljax.rl.coherence import add as coherence_add
 from marljax.rl.losses import LossConfig, metric_weight, sequence_losses
 from marljax.rl.state import TrainState, with_learning_rate
 from marljax.rl.step_metrics import BatchMetrics, RoleMetrics, SetMetrics, StepMetrics, average
-from marljax.shapes import bucket, bucket_rows, length_bucket
 
 ROLE_WEIGHTINGS = ("count", "equal", "inverse_norm")
 MINIBATCH_MODES = ("paper", "balanced")
@@ -207,7 +207,7 @@ class Trainer:
     def __init__(self, model: Decoder, cfg: StepConfig, optimizer: optax.GradientTransformation, *,
                  out_shardings=None):
         """`out_shardings`: shardings of `update`'s (TrainState, StepMetrics) on a device mesh (see
-        `marljax.sharding`), so the state stays where it was placed."""
+        `marljax.core.sharding`), so the state stays where it was placed."""
         self.graphdef, self.base_state = nnx.split(model)
         self.cfg = cfg
         self.optimizer = optimizer

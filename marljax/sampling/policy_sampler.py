@@ -19,11 +19,11 @@ import dataclasses
 import jax
 from flax import nnx
 
-from marljax import sharding
-from marljax.engine import Engine
-from marljax.engine.engine import CHUNK_STEPS, NUM_SLOTS, Stream
+from marljax.core import sharding
 from marljax.models.decoder import Decoder
 from marljax.sampling import SampleOutput, SamplingParams, layer_weights
+from marljax.sampling.engine import Engine
+from marljax.sampling.engine.engine import CHUNK_STEPS, NUM_SLOTS, Stream
 
 PAGE_SIZE = 16  # KV positions per page
 
@@ -41,8 +41,8 @@ class SamplerSettings:
     prefill_tokens: int = 0  # positions per prefill call (chunked prefill); 0: whole prompts
     chunk_steps: int = CHUNK_STEPS  # decode steps per jitted chunk of the engine
     mix_sets: bool = False  # LoRA sets decode in one batch, each row applying its own adapter
-    paged_attention: str = "auto"  # the engine's path (marljax.engine.paged_attention.PAGED_ATTENTIONS)
-    admission: str = "worst_case"  # the engine's admission (marljax.engine.scheduler.ADMISSIONS)
+    paged_attention: str = "auto"  # the engine's path (marljax.sampling.engine.paged_attention.PAGED_ATTENTIONS)
+    admission: str = "worst_case"  # the engine's admission (marljax.sampling.engine.scheduler.ADMISSIONS)
 
     def params(self, temperature: float, seed: int = 0) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=temperature, top_p=self.top_p,
@@ -54,7 +54,7 @@ class PolicySampler:
 
     `params_by_set`: {set: LoRA adapter} when `lora_scale` is a float, {set: the model's `nnx.Param`
     state} under full fine-tuning (`lora_scale` None). `mesh`, `rules`: where the weights live (see
-    `marljax.sharding`)."""
+    `marljax.core.sharding`)."""
 
     def __init__(self, model: Decoder, params_by_set: dict, lora_scale: float | None, mesh, rules,
                  settings: SamplerSettings):

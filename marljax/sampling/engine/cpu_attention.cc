@@ -1,5 +1,5 @@
 // Decode attention on a CPU: one query per row over the first `length[b]` columns of its keys and values,
-// streamed once (an XLA FFI handler; built and registered by marljax/engine/cpu_attention.py).
+// streamed once (an XLA FFI handler; built and registered by marljax/sampling/engine/cpu_attention.py).
 //
 //   q      f32 [B, K, G, D]   the row's G query heads of each KV head (scaled by `scale` here)
 //   k      T   [B, K, D, S]   keys, position along the last axis (the decoder's dense cache layout)

@@ -1,4 +1,4 @@
-"""Admission and preemption (`marljax.engine.scheduler`'s docstring has the policy): the requests waiting in
+"""Admission and preemption (`marljax.sampling.engine.scheduler`'s docstring has the policy): the requests waiting in
 submission order, their shared prompt prefixes per rank, which rank each goes to and what one admission
 round asks of the device (`Admission`), the pages a rank needs to admit into every free slot (`demand`),
 and, under optimistic admission, preempting the latest requests of a rank whose pool runs short.
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from marljax.engine.slots import Prefix, Sequence, SlotTable
+from marljax.sampling.engine.slots import Prefix, Sequence, SlotTable
 
 ADMISSIONS = ("worst_case", "optimistic")
 

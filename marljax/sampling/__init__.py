@@ -1,10 +1,10 @@
 """Sampling entry points: `generate` (on the rollout engine) and the per-layer weights it reads.
 
 `generate(model, prompts, SamplingParams(...))` samples a continuation of every prompt with
-`marljax.engine.Engine`: continuous batching over a paged KV cache, identical prompts prefilled once.
+`marljax.sampling.engine.Engine`: continuous batching over a paged KV cache, identical prompts prefilled once.
 Request i draws its tokens from its own stream, fold_in(key(seed), i), so its output depends on its prompt,
 the seed and i only (batch-invariant, reproducible); greedy outputs are the argmax of the uncached forward
-pass at every step (tests/test_engine.py). Logprobs: `marljax.engine.draw`.
+pass at every step (tests/test_engine.py). Logprobs: `marljax.sampling.engine.draw`.
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from marljax.engine import Engine
-from marljax.engine.engine import NUM_SLOTS
-from marljax.engine.draw import SampleOutput, SamplingParams, choose, first_argmax
 from marljax.models.decoder import Decoder
 from marljax.models.lora import lora_delta, merged_weight
+from marljax.sampling.engine import Engine
+from marljax.sampling.engine.draw import SampleOutput, SamplingParams, choose, first_argmax
+from marljax.sampling.engine.engine import NUM_SLOTS
 
 __all__ = ["SampleOutput", "SamplingParams", "choose", "first_argmax", "generate", "layer_weights", "model_layers"]
 

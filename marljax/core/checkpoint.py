@@ -6,7 +6,7 @@ Two directories: RUN_DIR/checkpoints holds the newest `keep` states (resume); RU
 state of the best held-out eval (the cliff rollback's target, and `evaluate which=peak`). The peak
 directory keeps the newest peak plus the newest peak at or before the newest checkpoint: a run resumed
 from that checkpoint has that peak as its tracker's best step, and recomputes (and saves again) any later
-one. At most two states. RUN_DIR may be a bucket (`marljax.storage`): Orbax writes the arrays through
+one. At most two states. RUN_DIR may be a bucket (`marljax.core.storage`): Orbax writes the arrays through
 tensorstore and marks a finished gs:// step with commit_success.txt (no rename there).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from marljax import storage
+from marljax.core import storage
 
 WHICH = ("newest", "peak")
 

@@ -1,6 +1,6 @@
 """Run logging at the edge: one JSON object per line in RUN_DIR/metrics.jsonl, plus TensorBoard (RUN_DIR/tb).
 
-A run dir in a bucket (`marljax.storage`) cannot append to an object: there metrics.jsonl is rewritten whole
+A run dir in a bucket (`marljax.core.storage`) cannot append to an object: there metrics.jsonl is rewritten whole
 on each record (an object write is atomic, so a killed run leaves the last complete file), and the
 TensorBoard events are written to a local temporary folder and copied up on each flush.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from etils import epath
 
-from marljax import storage
+from marljax.core import storage
 
 
 def _clean(v: Any) -> Any:

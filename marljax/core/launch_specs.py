@@ -104,7 +104,7 @@ def target(orchestrator: str, accelerator: str, bucket: str | None, data: str) -
     if orchestrator not in ORCHESTRATORS:
         raise LaunchSpecError(f"--emit {orchestrator}: marljax writes specs for {', '.join(ORCHESTRATORS)} only "
                               "(xpk pins protobuf and packaging below marljax's environment; see "
-                              "marljax/launch_specs.py); use --emit skypilot")
+                              "marljax/core/launch_specs.py); use --emit skypilot")
     rented = slice_for(accelerator)
     if not bucket or not bucket.startswith("gs://") or not bucket[5:].strip("/"):
         raise LaunchSpecError(f"--bucket {bucket or '(missing)'}: the run dirs need a bucket URL, "
@@ -116,7 +116,7 @@ def target(orchestrator: str, accelerator: str, bucket: str | None, data: str) -
                                   "gs:// URL holding dapo-math-17k/ and deepcoder/ (the jobs mount it at "
                                   f"{REMOTE_DATA})")
         data = str(pathlib.Path(data).resolve())
-    checkout = pathlib.Path(__file__).resolve().parents[1]
+    checkout = pathlib.Path(__file__).resolve().parents[2]
     if not (checkout / "pyproject.toml").is_file():
         raise LaunchSpecError(f"{checkout} is not a marljax checkout (no pyproject.toml); the jobs carry the "
                               "checkout as their workdir: run from a clone installed with `pip install -e .`")

@@ -1,4 +1,4 @@
 """The rollout engine: continuous batching over a paged KV cache with shared prompt prefixes."""
-from marljax.engine.engine import Engine, EngineStats
+from marljax.sampling.engine.engine import Engine, EngineStats
 
 __all__ = ["Engine", "EngineStats"]

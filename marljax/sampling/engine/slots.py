@@ -1,4 +1,4 @@
-"""Decode slots and page pools, one pool per data-parallel rank (`marljax.engine.scheduler`): which
+"""Decode slots and page pools, one pool per data-parallel rank (`marljax.sampling.engine.scheduler`): which
 sequence holds each slot, the pages it holds, what the running sequences may still take (the reservation
 admission counts), fresh pages (evicting unused cached prompt pages when a pool's free list is short),
 and freeing a finished or preempted sequence's slot and pages.
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from marljax.engine.kv_pages import PagePool, pages_for
-from marljax.engine.prefix_cache import PrefixCache
+from marljax.sampling.engine.kv_pages import PagePool, pages_for
+from marljax.sampling.engine.prefix_cache import PrefixCache
 
 
 @dataclasses.dataclass

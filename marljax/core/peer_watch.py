@@ -75,7 +75,7 @@ class PeerWatch:
 
 
 def _key(process: int) -> str:
-    return f"marljax/peer_watch/{process}"
+    return f"marljax/core/peer_watch/{process}"
 
 
 def _beat(client, process: int) -> str | None:

@@ -4,16 +4,16 @@ A sequence's KV lives in pages of `page_size` positions; its page table lists th
 p is at offset p % page_size of page table[p // page_size]. Page 0 is the null page: never handed out,
 it absorbs the writes of padded rows and positions (page tables are filled with 0 past a sequence's
 pages) and is never read for a real position. Pages are refcounted: a prompt's full pages can be shared
-by every sequence that continues that prompt (`marljax.engine.scheduler`).
+by every sequence that continues that prompt (`marljax.sampling.engine.scheduler`).
 
 Device layout, per layer: {"kv": [ranks, pages, page_size, 2·kv_heads, head_dim]}, keys at the even and
 values at the odd combined heads: the layout of the TPU's ragged paged-attention kernel, which the gather
-path reads too (`marljax.engine.paged_attention`); a gather of a page table [B, W] reads
+path reads too (`marljax.sampling.engine.paged_attention`); a gather of a page table [B, W] reads
 [B, W·page_size, 2·kv_heads, head_dim] with no transpose of the pool. `ranks` pools of `pages` pages
 each: a data-parallel engine on a mesh keeps one pool per batch rank (split over the mesh like the
 rows; rows are split evenly over the ranks in order and their page tables index their rank's pool, so
 each chip holds only its own rows' pages; the host scheduler keeps one `PagePool` per rank,
-`marljax.engine.scheduler`); with one rank it is replicated over the batch ranks.
+`marljax.sampling.engine.scheduler`); with one rank it is replicated over the batch ranks.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from marljax import sharding
+from marljax.core import sharding
 from marljax.models.decoder import ModelConfig
 from marljax.models.precision import set_at
 

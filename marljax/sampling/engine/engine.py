@@ -9,10 +9,10 @@ params, layers=…)` is one stream run to the end; it returns what `marljax.samp
 (`SampleOutput`: per prompt its generated ids, stop token included if hit, their logprobs under the
 tempered distribution they were drawn from, and whether a stop hit).
 
-Data-parallel ranks (`ranks`, on a mesh: its batch ranks, `marljax.sharding.batch_ranks`): the slots
+Data-parallel ranks (`ranks`, on a mesh: its batch ranks, `marljax.core.sharding.batch_ranks`): the slots
 are split evenly over the ranks and each rank has its own page pool (`init_pages(..., ranks)`: on a mesh
 every chip holds its own rank's pages only); a sequence's pages come from its slot's rank and prompts
-are prefilled per rank (`marljax.engine.scheduler`). Prefill and decode batches are laid out in rank
+are prefilled per rank (`marljax.sampling.engine.scheduler`). Prefill and decode batches are laid out in rank
 blocks: R blocks of equal rows, block r's page tables indexing pool r (`kv_pages.per_rank`).
 
 Shapes are static per chunk and bucketed: prefill rows (per rank) and prompt length to powers of two,
@@ -42,19 +42,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from marljax import sharding
-from marljax.engine.draw import SampleOutput, SamplingParams, sample_rows
-from marljax.engine.kv_pages import (NULL_PAGE, PagePool, copy_pages, grow_pages, init_pages, page_bytes, pages_for,
+from marljax.core import sharding
+from marljax.sampling.engine.draw import SampleOutput, SamplingParams, sample_rows
+from marljax.sampling.engine.kv_pages import (NULL_PAGE, PagePool, copy_pages, grow_pages, init_pages, page_bytes, pages_for,
                                      pool_pages)
-from marljax.engine.paged_attention import (CHUNK_PATHS, chunk_cache_attention, chunk_writes, dense_cache,
+from marljax.sampling.engine.paged_attention import (CHUNK_PATHS, chunk_cache_attention, chunk_writes, dense_cache,
                                             gather_dense, init_dense, interleave, length_groups,
                                             paged_cache_attention, refresh_dense, resolve_paged_attention,
                                             write_dense, write_pages)
-from marljax.engine.batch import DecodeBatch, DecodeState, block_groups, rank_rows, to_host
-from marljax.engine.scheduler import ADMISSIONS, Scheduler
+from marljax.core.shapes import bucket, bucket_rows, page_bucket
 from marljax.models.decoder import Decoder
 from marljax.models.lora import stack_adapters
-from marljax.shapes import bucket, bucket_rows, page_bucket
+from marljax.sampling.engine.batch import DecodeBatch, DecodeState, block_groups, rank_rows, to_host
+from marljax.sampling.engine.scheduler import ADMISSIONS, Scheduler
 
 PREFILL_CHUNK_MIN = 16  # positions: the shortest prefill call (prompt lengths bucket up from here)
 # Decode steps per jitted chunk. 32, not 16: half the chunks' fixed work (host scheduling, the chunk path's
@@ -92,8 +92,8 @@ class EngineStats:
 class Engine:
     """See the module docstring. `num_slots`: all ranks' slots (a multiple of `ranks`). `num_pages` fixes
     each rank's pool (requests wait for pages; a prompt that cannot fit alone is refused); None lets
-    them grow. `attention`: the paged-attention path (`marljax.engine.paged_attention.PAGED_ATTENTIONS`;
-    auto: the TPU kernel on a TPU). `admission` (`marljax.engine.scheduler.ADMISSIONS`): what a request must
+    them grow. `attention`: the paged-attention path (`marljax.sampling.engine.paged_attention.PAGED_ATTENTIONS`;
+    auto: the TPU kernel on a TPU). `admission` (`marljax.sampling.engine.scheduler.ADMISSIONS`): what a request must
     find free to be admitted, its worst case or its first chunk (optimistic: a pool sized by the tokens in
     flight, preempting the latest requests when it runs short; a growable pool grows instead)."""
 

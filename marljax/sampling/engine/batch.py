@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from marljax.engine.kv_pages import NULL_PAGE
-from marljax.shapes import bucket
+from marljax.core.shapes import bucket
+from marljax.sampling.engine.kv_pages import NULL_PAGE
 
 
 @struct.dataclass

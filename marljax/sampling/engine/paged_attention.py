@@ -13,7 +13,7 @@ attends the keys at positions ≤ its own. `impl` (`PAGED_ATTENTIONS`):
           TPU (also ahead of time for a TPU topology, `marljax.aot`), in Pallas' TPU interpreter on any
           other backend (see `KERNEL_MODES`). It takes each row's T queries as its last T positions
           (the engine's prefill rows start at 0, its decode rows hold one query): `kernel_cache_attention`
-  chunk   decode only (`marljax.engine.engine.decode_chunk`; prefill takes the gather path): the rows'
+  chunk   decode only (`marljax.sampling.engine.engine.decode_chunk`; prefill takes the gather path): the rows'
           pages are gathered into dense caches (`dense_cache`, the layout `models.attention.attention`
           reads in place), which stay read-only through the chunk: each step writes its keys and values
           into a buffer of the chunk's `steps` columns and attends the dense cache and the buffer as two
@@ -29,7 +29,7 @@ attends the keys at positions ≤ its own. `impl` (`PAGED_ATTENTIONS`):
           6.8 ms per layer dense, 44 ms gathered; engine throughput 1.7× with chunk, docs/benchmarks.md);
           the price is a dense copy of the rows in flight beside the pool (`EngineStats.peak_dense_bytes`)
   cpu_kernel  the chunk path with each segment's attention (the dense cache up to the row's first
-          position of the chunk, the buffer up to the step) through `marljax.engine.cpu_attention`'s kernel,
+          position of the chunk, the buffer up to the step) through `marljax.sampling.engine.cpu_attention`'s kernel,
           which reads each row's real columns once at memory speed, and the segments combined by their
           log-sum-exps (`chunk_cache_attention(..., kernel=True)`): XLA CPU runs the masked dense form's
           small per-(row, KV head) products far under the memory bandwidth and over the padded width
@@ -39,7 +39,7 @@ attends the keys at positions ≤ its own. `impl` (`PAGED_ATTENTIONS`):
           TPU; on a CPU cpu_kernel on one device, chunk where a mesh spans several devices or the kernel
           cannot be built; gather on a GPU (and any other backend)
 
-Pool layout (`marljax.engine.kv_pages`), per layer {"kv": [R, pages, page_size, 2·kv_heads, head_dim]}:
+Pool layout (`marljax.sampling.engine.kv_pages`), per layer {"kv": [R, pages, page_size, 2·kv_heads, head_dim]}:
 R rank pools, keys at the even and values at the odd combined heads (the kernel's layout, which the
 gather path reads as well: no conversion per step). Rows are split evenly over the R pools in order (row
 b belongs to pool b·R // B) and their page tables index their own pool. On a mesh
@@ -60,13 +60,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marljax import sharding
-from marljax.engine import cpu_attention
-from marljax.engine.kv_pages import per_rank
+from marljax.core import sharding
+from marljax.core.shapes import page_bucket
 from marljax.models.attention import attention, segmented_attention, target_backend
 from marljax.models.decoder import ModelConfig
 from marljax.models.precision import set_at
-from marljax.shapes import page_bucket
+from marljax.sampling.engine import cpu_attention
+from marljax.sampling.engine.kv_pages import per_rank
 
 PAGED_ATTENTIONS = ("auto", "gather", "chunk", "cpu_kernel", "kernel")
 CHUNK_PATHS = ("chunk", "cpu_kernel")  # decode over a dense copy of the rows' pages and a buffer per chunk

@@ -4,7 +4,7 @@ one page pool per data-parallel rank.
 The slots are split evenly over R ranks (slot s belongs to rank s // (slots / R)), and each rank has
 its own page pool (`PagePool`; on a mesh, the rank's chip holds it): a sequence's pages all come from its
 slot's rank. Decode chunks lay the rows out in rank blocks (`batch`), the layout
-`marljax.engine.paged_attention` maps to the rank pools. With R = 1 there is one pool.
+`marljax.sampling.engine.paged_attention` maps to the rank pools. With R = 1 there is one pool.
 
 Requests wait in submission order. Between decode chunks the scheduler frees the slots (and pages) of
 finished sequences and admits waiting requests, head of the queue first, into free slots, while their
@@ -17,7 +17,7 @@ rank's pool can hold what they need (`ADMISSIONS`):
               pages run short (`grow`), the rank's running sequences of the latest requests are preempted
               until they fit: their pages freed, their tokens dropped, their requests back at the head of
               the queue, to be prefilled and sampled again from the start. A request draws its t-th token
-              with its own key (`marljax.engine.engine`), so its restart yields what it would have; the
+              with its own key (`marljax.sampling.engine.engine`), so its restart yields what it would have; the
               earliest request running on a rank is never preempted (unless alone), so every rank progresses
 Either way pages are taken one chunk at a time (`grow`): the pages in use are the tokens in flight. The
 head request goes to a rank that already holds its prompt's prefix (and can afford its own pages), else to
@@ -32,22 +32,22 @@ last member of the prompt to be admitted (over all ranks) takes its rank's templ
 prompt's prefixes on other ranks are retired then (their template pages freed). The prefix keeps the
 prompt's last hidden state, from which each member draws its first token with its own key. Prompts also
 share pages over time: a prompt's full pages stay in its rank's prefix cache
-(`marljax.engine.prefix_cache`) after its requests finish, and a later prompt on that rank that starts
+(`marljax.sampling.engine.prefix_cache`) after its requests finish, and a later prompt on that rank that starts
 with the same blocks (of the same parameter set) reuses them and is prefilled from there on. With
 `share_prefixes=False` every request is its own prefix (one member, no copy) and nothing is cached.
 
-`Scheduler` composes one part per job: the slots and page pools (`marljax.engine.slots.SlotTable`:
-reservation, allocation, freeing), the prefix caches (`marljax.engine.prefix_cache`), admission and
-preemption (`marljax.engine.admission.Admitter`: the queue, prefixes, placement, demand), and the batch
-layout (`marljax.engine.batch.BatchLayout`); it keeps each request's results.
+`Scheduler` composes one part per job: the slots and page pools (`marljax.sampling.engine.slots.SlotTable`:
+reservation, allocation, freeing), the prefix caches (`marljax.sampling.engine.prefix_cache`), admission and
+preemption (`marljax.sampling.engine.admission.Admitter`: the queue, prefixes, placement, demand), and the batch
+layout (`marljax.sampling.engine.batch.BatchLayout`); it keeps each request's results.
 """
 from __future__ import annotations
 
-from marljax.engine.admission import ADMISSIONS, Admission, Admitter
-from marljax.engine.batch import BatchLayout, DecodeBatch, DecodeState
-from marljax.engine.kv_pages import PagePool
-from marljax.engine.prefix_cache import PrefixCache
-from marljax.engine.slots import Prefix, Sequence, SlotTable
+from marljax.sampling.engine.admission import ADMISSIONS, Admission, Admitter
+from marljax.sampling.engine.batch import BatchLayout, DecodeBatch, DecodeState
+from marljax.sampling.engine.kv_pages import PagePool
+from marljax.sampling.engine.prefix_cache import PrefixCache
+from marljax.sampling.engine.slots import Prefix, Sequence, SlotTable
 
 __all__ = ["ADMISSIONS", "Scheduler"]
 

@@ -1,5 +1,5 @@
 """Decode attention on a CPU that streams each row's real keys once: the `cpu_kernel` path of the
-rollout engine's decode chunk (`marljax.engine.paged_attention`).
+rollout engine's decode chunk (`marljax.sampling.engine.paged_attention`).
 
 XLA CPU runs decode attention's per-(row, KV head) products, [G, Dh] @ [Dh, S] with G of 2 to 4 query
 heads, at a fraction of the memory bandwidth (docs/benchmarks.md, "CPU decode attention kernel"), and a

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
-from marljax.engine.kv_pages import PagePool
+from marljax.sampling.engine.kv_pages import PagePool
 
 
 @dataclasses.dataclass

@@ -57,7 +57,7 @@ def retain() -> str:
     global state
     mode = os.environ.get("MARLJAX_HOST_MALLOC", "auto")
     if mode not in MODES:
-        raise ValueError(f"MARLJAX_HOST_MALLOC={mode!r}; choose from {', '.join(MODES)} (marljax/host_memory.py)")
+        raise ValueError(f"MARLJAX_HOST_MALLOC={mode!r}; choose from {', '.join(MODES)} (marljax/core/host_memory.py)")
     if mode == "system":
         state = "off (MARLJAX_HOST_MALLOC=system)"
     elif mode == "auto" and (plugin := _accelerator_plugin()):
@@ -92,7 +92,7 @@ def opt_in(program: str) -> str:
     mode = f"MARLJAX_HOST_MALLOC={os.environ.get('MARLJAX_HOST_MALLOC', 'auto')}"
     platforms = skip_absent_tpu()
     done = retain()
-    print(f"{program}: host malloc {done}{'' if mode in done else f' ({mode})'}; see marljax/host_memory.py"
+    print(f"{program}: host malloc {done}{'' if mode in done else f' ({mode})'}; see marljax/core/host_memory.py"
           + (f"; JAX_PLATFORMS={platforms} (libtpu installed, no TPU on this host)" if platforms else ""),
           file=sys.stderr)
     return done

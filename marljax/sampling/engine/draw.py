@@ -1,6 +1,6 @@
 """Drawing tokens: the sampling settings, the sampler's output, and the per-row token draw.
 
-Used by the rollout engine (`marljax.engine.engine`); `marljax.sampling` re-exports them. Logprobs are
+Used by the rollout engine (`marljax.sampling.engine.engine`); `marljax.sampling` re-exports them. Logprobs are
 those of the drawn token under the tempered distribution it was drawn from, log_softmax(logits /
 temperature) (the raw logits at temperature 0), before top-p / top-k truncation: the distribution the
 trainer scores at `rl.logprob_temperature` (= the sampling temperature by default).
