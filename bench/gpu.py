@@ -28,11 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from marljax.build import Policy, build_trainer, build_workflow, init_state
+from marljax.config import load_config, resolve
+from marljax.core import sharding
 from marljax.core.shapes import bucket
 from marljax.models.decoder import Decoder
-from marljax.models.lora import LoRAConfig, init_lora
+from marljax.models.lora import init_lora
 from marljax.models.presets import PRESETS
-from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack
+from marljax.rl.step import Sample, pack
 from marljax.sampling import SamplingParams, generate
 from benchdoc import publish  # bench/ is on sys.path when a script here runs
 from flops import train_flops
@@ -40,7 +43,8 @@ from flops import train_flops
 TITLE = "## GPU (Qwen3-0.6B shape, bf16)"
 # device name fragment -> (dense bf16 TFLOP/s, HBM GB/s)
 PEAKS = {"H200": (989, 4800), "H100": (989, 3350), "A100": (312, 2039), "L4": (121, 300)}
-LORA = LoRAConfig(rank=64, alpha=32)  # the paper's adapter, on all linear layers
+SETTINGS = ["workflow=single", "rl.minibatch=balanced"]  # on the paper's config: one set, AdamW
+LORA = load_config(None, SETTINGS).lora.build()  # the paper's adapter: rank 64, all linear layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,19 +100,23 @@ def train_step_flops(cfg, plan: Plan, lora: bool) -> tuple[int, int]:
 
 def train_mfu(model, cfg, plan: Plan, peak_tflops: float | None, repeats: int, lora: bool,
               count: tuple[int, int]) -> dict:
-    """Time `Trainer.update`; `count`: its (model FLOPs, real tokens) from `train_step_flops`."""
+    """Time `Trainer.update` as `train` builds it (`marljax.build`, the paper's config with `SETTINGS`);
+    `count`: its (model FLOPs, real tokens) from `train_step_flops`."""
     flops, tokens = count
     rng = np.random.default_rng(0)
     samples = [Sample("generator", list(rng.integers(1, cfg.vocab_size, plan.train_prompt)),
                       list(rng.integers(1, cfg.vocab_size, plan.train_response)), float(rng.normal()))
                for _ in range(plan.train_rows)]
     batch = {"generator": pack(samples)}
-    step = StepConfig(route=(("generator", "g"),), lora_scale=LORA.scale if lora else None, minibatch="balanced")
-    opt = make_optimizer()
-    params = {"g": init_lora(cfg, LORA, jax.random.key(0), jnp.float32) if lora
-              else jax.tree.map(jnp.array, nnx.state(model, nnx.Param))}
-    trainer = Trainer(model, step, opt)
-    state = {"train": trainer.init_state(params)}
+    run = resolve(load_config(None, [*SETTINGS, f"lora.enabled={lora}"]))
+    mesh = sharding.make_mesh(run.mesh)
+    policy = Policy(mesh, sharding.get_rules(run.mesh, mesh), model, None, run.lora.build())
+    workflow, policy_map = build_workflow(run)
+    # full fine-tuning trains bfloat16 copies of the weights (`train`: float32 master copies, `fresh_params`)
+    params = {s: init_lora(cfg, policy.lora_cfg, jax.random.key(0), jnp.float32) if lora
+              else jax.tree.map(jnp.array, nnx.state(model, nnx.Param)) for s in policy_map.sets}
+    trainer, shardings = build_trainer(run, policy, workflow, policy_map, params)
+    state = {"train": init_state(trainer, params, shardings)}
 
     def one():
         state["train"], m = trainer.update(state["train"], batch, jnp.float32(1e-5), recompute_old=False)

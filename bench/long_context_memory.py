@@ -17,10 +17,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from marljax.build import abstract_policy, build_trainer, build_workflow, fresh_params
+from marljax.config import load_config, resolve
 from marljax.models import logprobs
 from marljax.models.decoder import Decoder
 from marljax.models.presets import PRESETS
-from marljax.rl.step import RoleBatch, StepConfig, Trainer, make_optimizer
+from marljax.rl.step import RoleBatch
 
 MIB = 2 ** 20
 
@@ -39,10 +41,13 @@ def attention_temp(impl: str, T: int) -> float:
 
 def logprob_temp(R: int, budget: int | None) -> float:
     """Temp bytes of the log-probs' gradient for one row of R response tokens, chunks of `budget` bytes of
-    logits (None: the trainer's LOGPROB_BYTES)."""
-    cfg = dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=1)
-    trainer = Trainer(Decoder(cfg, rngs=nnx.Rngs(0)), StepConfig(route=(("solver", "shared"),), lora_scale=None,
-                                                                 logprob_bytes=budget), make_optimizer())
+    logits (None: the trainer's LOGPROB_BYTES), in the trainer `train` builds (`marljax.build`) for a
+    single-agent full fine-tuning run over shapes."""
+    cfg = resolve(load_config(None, ["workflow=single", "lora.enabled=false"]))
+    policy = abstract_policy(cfg, dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=1))
+    workflow, policy_map = build_workflow(cfg)
+    params = jax.eval_shape(lambda model: fresh_params(model, policy.lora_cfg, cfg.seed, policy_map.sets), policy.model)
+    trainer, _ = build_trainer(cfg, policy, workflow, policy_map, params, logprob_bytes=budget)
     s = jax.ShapeDtypeStruct
     batch = RoleBatch(s((1, R + 16), jnp.int32), s((1,), jnp.int32), s((1, R), jnp.float32), s((1,), jnp.float32),
                       s((1, R), jnp.float32), s((1, R), jnp.float32), s((1,), jnp.float32))

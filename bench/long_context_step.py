@@ -18,10 +18,12 @@ import sys
 import time
 
 CONFIGS = (("dense", 0), ("auto", 0), ("auto", 1))  # (rl.attention, micro-batches of one sample?)
+SETTINGS = ["workflow=single", "rl.minibatch=balanced", "lora.rank=16"]  # on the paper's config: one set, AdamW
 
 
 def one(T: int, samples: int, attention: str, micro: bool, smoke: bool) -> dict:
-    """Run in a child: build the trainer, take two steps, time the second, report peak RSS."""
+    """Run in a child: build the trainer as `train` builds it (`marljax.build`) for the paper's config with
+    `SETTINGS`, `rl.attention` and `rl.micro_batch_tokens`, take two steps, time the second, report peak RSS."""
     from benchdoc import smoke_config  # first, before jax: host memory as the CLIs keep it
     import resource
 
@@ -29,20 +31,24 @@ def one(T: int, samples: int, attention: str, micro: bool, smoke: bool) -> dict:
     import numpy as np
     from flax import nnx
 
+    from marljax.build import Policy, build_trainer, build_workflow, init_state
+    from marljax.config import load_config, resolve
+    from marljax.core import sharding
     from marljax.models.decoder import Decoder
-    from marljax.models.lora import LoRAConfig, init_lora
     from marljax.models.presets import PRESETS
-    from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, train_batch
+    from marljax.rl.step import Sample, train_batch
 
     cfg = PRESETS["smollm2-135m-instruct"]
     if smoke:
         cfg = smoke_config(cfg)
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
-    lora = LoRAConfig(rank=16, alpha=32)
-    step_cfg = StepConfig(route=(("generator", "s"),), lora_scale=lora.scale, minibatch="balanced",
-                          attention=attention, micro_batch_tokens=T if micro else 0)
-    trainer = Trainer(model, step_cfg, make_optimizer())
-    state = trainer.init_state({"s": init_lora(cfg, lora, jax.random.key(0))})
+    run = resolve(load_config(None, [*SETTINGS, f"rl.attention={attention}",
+                                     f"rl.micro_batch_tokens={T if micro else 0}"]))
+    mesh = sharding.make_mesh(run.mesh)
+    policy = Policy(mesh, sharding.get_rules(run.mesh, mesh), Decoder(cfg, rngs=nnx.Rngs(0)), None, run.lora.build())
+    workflow, policy_map = build_workflow(run)
+    params = policy.init_params(run, policy_map.sets)
+    trainer, shardings = build_trainer(run, policy, workflow, policy_map, params)
+    state = init_state(trainer, params, shardings)
     rng = np.random.default_rng(0)
     R = 256
     batch = [Sample("generator", list(rng.integers(1, cfg.vocab_size, T - R - 1)),

@@ -34,21 +34,20 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from marljax.build import Policy, state_shardings  # noqa: E402
+from marljax.build import Policy, build_trainer, build_workflow, init_state  # noqa: E402
+from marljax.config import load_config, resolve  # noqa: E402
 from marljax.core import sharding  # noqa: E402
 from marljax.core.sharding import MeshConfig  # noqa: E402
 from marljax.models.decoder import Decoder, ModelConfig  # noqa: E402
-from marljax.models.lora import LoRAConfig, init_lora  # noqa: E402
-from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack  # noqa: E402
+from marljax.rl.step import Sample, pack  # noqa: E402
 from marljax.sampling import SamplingParams, generate  # noqa: E402
 from benchdoc import machine, publish  # noqa: E402 — bench/ is on sys.path when a script here runs
 
 TITLE = "## Sharding (CPU, simulated devices)"
 CFG = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,
                   num_kv_heads=4, head_dim=32, rope_theta=10_000.0)
-LORA = LoRAConfig(rank=16, alpha=32)
-STEP = StepConfig(route=(("generator", "generator"), ("aggregator", "aggregator")), lora_scale=LORA.scale,
-                  minibatch="balanced")
+# the paper's config with these: two roles, each its own LoRA set (rank 16), AdamW
+CONFIG = resolve(load_config(None, ["workflow=voting", "policy=isolated", "rl.minibatch=balanced", "lora.rank=16"]))
 MESHES = {"1 of 8 devices (no mesh)": None, "fsdp=8": MeshConfig(fsdp=8),
           "fsdp=2, tensor=4": MeshConfig(fsdp=2, tensor=4), "data=2, fsdp=4": MeshConfig(data=2, fsdp=4)}
 SAMPLE_PROMPTS, SAMPLE_NEW = 16, 32
@@ -64,19 +63,18 @@ def batches() -> dict:
 
 
 def measure(mesh_cfg: MeshConfig | None, repeats: int) -> dict:
-    model, opt = Decoder(CFG, rngs=nnx.Rngs(0)), make_optimizer()
-    params = jax.jit(lambda: {s: init_lora(CFG, LORA, jax.random.key(i)) for i, s in enumerate(STEP.sets)})()
-    ctx, out_shardings = contextlib.nullcontext(), None
-    if mesh_cfg is not None:  # placed as `train` places them (`marljax.build.state_shardings`)
-        mesh = sharding.make_mesh(mesh_cfg)
-        rules = sharding.get_rules(mesh_cfg, mesh)
-        sharding.shard_model(model, mesh, rules)
-        state_sh = state_shardings(Policy(mesh, rules, model, None, LORA), opt, params, {})
-        params = jax.device_put(params, state_sh.params)
-        out_shardings = (state_sh, sharding.replicated(mesh))
-        ctx = sharding.use_mesh(mesh, rules)
-    trainer = Trainer(model, STEP, opt, out_shardings=out_shardings)
-    state = trainer.init_state(params)
+    """Step and sampler times on `mesh_cfg`'s mesh (None: on the first device, outside any mesh), the
+    model, trainer and state built and placed as `train` builds them (`marljax.build`) for `CONFIG`."""
+    axes = mesh_cfg or CONFIG.mesh  # None: the config's mesh over the first device alone
+    mesh = sharding.make_mesh(axes, devices=None if mesh_cfg else jax.devices()[:1])
+    rules = sharding.get_rules(axes, mesh)
+    model = sharding.shard_model(Decoder(CFG, rngs=nnx.Rngs(0)), mesh, rules)
+    policy = Policy(mesh, rules, model, None, CONFIG.lora.build())
+    workflow, policy_map = build_workflow(CONFIG)
+    params = policy.init_params(CONFIG, policy_map.sets)
+    trainer, shardings = build_trainer(CONFIG, policy, workflow, policy_map, params)
+    state = init_state(trainer, params, shardings)
+    ctx = sharding.use_mesh(mesh, rules) if mesh_cfg else contextlib.nullcontext()
     data, lr = batches(), jnp.float32(1e-4)
     prompts = [list(range(3 + i, 40 + i)) for i in range(SAMPLE_PROMPTS)]
     sp = SamplingParams(max_new_tokens=SAMPLE_NEW, temperature=0.0)
@@ -134,7 +132,7 @@ def main() -> None:
         f"`--xla_force_host_platform_device_count=8`, load average {os.getloadavg()[0]:.1f} at the end (other "
         f"jobs share the machine); median of {args.repeats} runs after one compiling call. Model: "
         f"{CFG.num_layers} layers, hidden {CFG.hidden_size}, {CFG.num_heads} heads / {CFG.num_kv_heads} KV heads, "
-        f"vocab {CFG.vocab_size}, float32. Train: one `Trainer.update` with LoRA rank {LORA.rank} on two "
+        f"vocab {CFG.vocab_size}, float32. Train: one `Trainer.update` with LoRA rank {CONFIG.lora.rank} on two "
         f"parameter sets ({tokens} padded tokens); sampler: {SAMPLE_PROMPTS} prompts × {SAMPLE_NEW} greedy "
         f"tokens. Speed is relative to the 1-device process (above 1 = faster). The simulated devices share "
         f"the machine's cores and every collective is a memory copy, so these ratios say little about "

@@ -31,8 +31,12 @@ import jax
 import numpy as np
 
 from roofline import matmul_gflops
-from marljax.models.lora import LoRAConfig, init_lora
-from marljax.rl.step import Sample, StepConfig, Trainer, make_optimizer, pack
+from marljax.build import Policy, build_trainer, build_workflow, init_state
+from marljax.config import load_config, resolve
+from marljax.core import sharding
+from marljax.rl.step import Sample, pack
+
+SETTINGS = ["workflow=single", "rl.minibatch=balanced", "lora.rank=16"]  # on the paper's config: one set, AdamW
 
 
 def step_flops(cfg, rows: int, length: int, resp: int, full: bool, remat: str) -> tuple[float, float]:
@@ -60,15 +64,19 @@ def random_batch(rows: int, length: int) -> dict:
 
 
 class Contender:
-    """A trainer (LoRA rank 16 or full fine-tuning, one parameter set) with its state, stepped in place."""
+    """The trainer `train` builds (`marljax.build`) for the paper's config with `SETTINGS`, LoRA rank 16 or
+    full fine-tuning (`lora.enabled`) and `rl.remat`, over `model` on this process's devices, with its
+    fresh state, stepped in place."""
 
     def __init__(self, model, batch: dict, lora: bool, remat: str):
-        lc, opt = LoRAConfig(rank=16, alpha=32), make_optimizer()
+        cfg = resolve(load_config(None, [*SETTINGS, f"lora.enabled={lora}", f"rl.remat={remat}"]))
+        mesh = sharding.make_mesh(cfg.mesh)
+        policy = Policy(mesh, sharding.get_rules(cfg.mesh, mesh), model, None, cfg.lora.build())
+        workflow, policy_map = build_workflow(cfg)
+        params = policy.init_params(cfg, policy_map.sets)
         self.batch = batch
-        self.trainer = Trainer(model, StepConfig(route=(("generator", "g"),), lora_scale=lc.scale if lora else None,
-                                                 minibatch="balanced", remat=remat), opt)
-        self.state = self.trainer.init_state({"g": init_lora(model.config, lc, jax.random.key(0)) if lora
-                                              else jax.tree.map(jax.numpy.array, self.trainer.base_state)})
+        self.trainer, shardings = build_trainer(cfg, policy, workflow, policy_map, params)
+        self.state = init_state(self.trainer, params, shardings)
 
     def step(self) -> tuple[float, int, float]:
         """One `Trainer.update`: (seconds, minor page faults, kernel CPU seconds)."""
