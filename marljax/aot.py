@@ -620,12 +620,13 @@ def _compile_prefill(x: _EngineInputs, plan) -> tuple[Program, dict]:
     import jax.numpy as jnp
 
     from marljax.core.shapes import page_bucket
+    from marljax.sampling.engine.batch import PrefillBatch
     from marljax.sampling.engine.engine import prefill_program
     n, T = plan.ranks, plan.prefill_chunk
-    traced = _holding(x, prefill_program, attention="kernel").trace(
-        x.held, x.state, x.layers, x.pool, x.arr(jnp.int32, ("batch", None), n, T), x.arr(jnp.int32, ("batch",), n),
-        x.arr(jnp.int32, ("batch", None), n, page_bucket(-(-plan.prompt // plan.page_size))),
-        x.arr(jnp.int32, ("batch",), n), x.lora)
+    batch = PrefillBatch(tokens_bt=x.arr(jnp.int32, ("batch", None), n, T), start_b=x.arr(jnp.int32, ("batch",), n),
+                         table_bw=x.arr(jnp.int32, ("batch", None), n, page_bucket(-(-plan.prompt // plan.page_size))),
+                         last_b=x.arr(jnp.int32, ("batch",), n))
+    traced = _holding(x, prefill_program, attention="kernel").trace(x.held, x.state, x.layers, x.pool, batch, x.lora)
     return _program(*_compile(traced))
 
 

@@ -1,4 +1,5 @@
-"""A decode chunk's rows and loop state as pytrees (frozen dataclasses): what the scheduler hands the engine
+"""The engine's batches and loop state as pytrees (frozen dataclasses): one prefill call's rows
+(`PrefillBatch`, `engine.prefill_program`), what the scheduler hands the engine for a decode chunk
 (`DecodeBatch`, `Scheduler.batch`) and what the jitted decode chunk carries from step to step and hands
 back to the scheduler (`DecodeState`, `engine.decode_chunk`, `Scheduler.advance`).
 Suffixes: the legend in marljax/models/decoder.py (rows b, a chunk's steps c, page tables bw).
@@ -14,6 +15,23 @@ from flax import struct
 
 from marljax.core.shapes import bucket
 from marljax.sampling.engine.kv_pages import NULL_PAGE
+
+
+@struct.dataclass
+class PrefillBatch:
+    """One prefill call's rows (`Engine.prefill`: a chunk of positions of each prompt), in rank blocks;
+    idle rows hold zeros and the null page.
+
+    tokens_bt  int32 [B, T]: the prompt tokens of this chunk, right-padded
+    start_b    int32 [B]: the position of each row's first token (after a cached prefix, earlier chunks)
+    table_bw   int32 [B, W]: each row's page table (pool-local page ids, null-padded)
+    last_b     int32 [B]: the index in the chunk of the row's last prompt token (its hidden state is kept)
+    """
+
+    tokens_bt: Any
+    start_b: Any
+    table_bw: Any
+    last_b: Any
 
 
 @struct.dataclass

@@ -53,7 +53,7 @@ from marljax.sampling.engine.paged_attention import (CHUNK_PATHS, chunk_cache_at
 from marljax.core.shapes import bucket, bucket_rows, page_bucket
 from marljax.models.decoder import Decoder
 from marljax.models.lora import stack_adapters
-from marljax.sampling.engine.batch import DecodeBatch, DecodeState, block_groups, rank_rows, to_host
+from marljax.sampling.engine.batch import DecodeBatch, DecodeState, PrefillBatch, block_groups, rank_rows, to_host
 from marljax.sampling.engine.scheduler import ADMISSIONS, Scheduler
 
 PREFILL_CHUNK_MIN = 16  # positions: the shortest prefill call (prompt lengths bucket up from here)
@@ -197,8 +197,9 @@ class Engine:
                 start_b[i] = s + c0
                 ends_here[i] = c0 <= m - 1 < c0 + C
                 last_b[i] = min(max(m - 1 - c0, 0), C - 1)
-            pages, h_be = prefill_program(self.graphdef, self.state, layers, pages, tokens_bc, start_b, table_bw,
-                                          last_b, lora, attention=self.attention)
+            batch = PrefillBatch(tokens_bt=tokens_bc, start_b=start_b, table_bw=table_bw, last_b=last_b)
+            pages, h_be = prefill_program(self.graphdef, self.state, layers, pages, batch, lora,
+                                          attention=self.attention)
             hidden_be = h_be if hidden_be is None else jnp.where(ends_here[:, None], h_be, hidden_be)
         return pages, hidden_be[row], len(starts)
 
@@ -424,15 +425,15 @@ def prefill_chunk(budget: int | None, rows: int, length: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3, static_argnames="attention")
-def prefill_program(graphdef, state, layers, pages, tokens_bt, start_b, table_bw, last_b, lora, *, attention="auto"):
-    """Row i's tokens at positions start_b[i] …, attending its pages before them too (a cached prefix);
-    the hidden state at row i's token last_b[i]."""
+def prefill_program(graphdef, state, layers, pages, batch: PrefillBatch, lora, *, attention="auto"):
+    """Row i's tokens at positions batch.start_b[i] …, attending its pages before them too (a cached
+    prefix), written into `pages`; the new pages and the hidden state at row i's token batch.last_b[i]."""
     model = nnx.merge(graphdef, state)
-    n, T = tokens_bt.shape
-    positions_bt = start_b[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    h_bte, pages = model.hidden(tokens_bt, positions_bt, cache=pages, layers=layers,
-                                cache_attention=paged_cache_attention(table_bw, attention), **(lora or {}))
-    return pages, jnp.take_along_axis(h_bte, last_b[:, None, None], axis=1)[:, 0]
+    n, T = batch.tokens_bt.shape
+    positions_bt = batch.start_b[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    h_bte, pages = model.hidden(batch.tokens_bt, positions_bt, cache=pages, layers=layers,
+                                cache_attention=paged_cache_attention(batch.table_bw, attention), **(lora or {}))
+    return pages, jnp.take_along_axis(h_bte, batch.last_b[:, None, None], axis=1)[:, 0]
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("temperature", "top_p", "top_k"))
