@@ -3,7 +3,7 @@
      decode step reads every weight once plus the whole KV cache buffer (our attention reads all of its
      columns), so roofline tok/s = batch × HBM bandwidth / (weight bytes + cache bytes);
   2. train-step MFU of `Trainer.update` with the paper's LoRA (rank 64, all linear layers) and with full
-     fine-tuning. Model FLOPs (`bench/flops.py train_flops`, counted before anything runs): real tokens
+     fine-tuning. Model FLOPs (`marljax/models/flops.py train_flops`, counted before anything runs): real tokens
      only (not the padding), causal attention (i + 1 keys for position i), the output head only on
      response tokens; layer matmuls ×2 for LoRA (forward, backward to the activations, no base weight
      gradient) + 6·N_lora, ×3 for full fine-tuning; attention ×3.
@@ -38,7 +38,7 @@ from marljax.models.presets import PRESETS
 from marljax.rl.step import Sample, pack
 from marljax.sampling import SamplingParams, generate
 from benchdoc import publish  # bench/ is on sys.path when a script here runs
-from flops import train_flops
+from marljax.models.flops import train_flops
 
 TITLE = "## GPU (Qwen3-0.6B shape, bf16)"
 # device name fragment -> (dense bf16 TFLOP/s, HBM GB/s)
@@ -91,7 +91,7 @@ def decode(model, cfg, plan: Plan, hbm_gbs: float | None, repeats: int, lora=Non
 
 
 def train_step_flops(cfg, plan: Plan, lora: bool) -> tuple[int, int]:
-    """(model FLOPs, real tokens) of one step on the plan's rows (`bench/flops.py`)."""
+    """(model FLOPs, real tokens) of one step on the plan's rows (`marljax/models/flops.py`)."""
     rows = plan.train_rows
     flops = train_flops(cfg, [plan.train_prompt] * rows, [plan.train_response] * rows,
                         lora_rank=LORA.rank if lora else None)
@@ -175,7 +175,7 @@ def main() -> None:
         f"| batch | tok/s | HBM roofline tok/s | of roofline | prefill |\n|---|---|---|---|---|\n{dec_rows}\n\n"
         f"Train step (`Trainer.update`, {plan.train_rows} rows of {plan.train_prompt} + "
         f"{plan.train_response} tokens; model FLOPs of the real tokens, causal attention, head on the response "
-        "tokens, as `bench/flops.py` counts them):\n\n"
+        "tokens, as `marljax/models/flops.py` counts them):\n\n"
         f"| mode | tokens | step | model TFLOP/s | MFU |\n|---|---|---|---|---|\n{train_rows}\n")
     publish(section, not args.no_write)
 

@@ -4,7 +4,7 @@
 run (the machine drifts ±30%); each figure is the median of `--repeats` runs. Prefill is timed as a
 1-new-token generation, decode as the rest. Compile time is excluded (each shape runs once before the
 timed runs); the first calls' excess over the medians is printed as the compile time. The roof is
-this machine's XLA fp32 matmul rate, measured in the same run; FLOPs are `bench/flops.py`'s model
+this machine's XLA fp32 matmul rate, measured in the same run; FLOPs are `marljax/models/flops.py`'s model
 FLOPs: prefill = every prompt token through the layers (causal attention) and the head on the last
 prompt position only (where the sampler computes logits); decode = each new token's layers, attention
 over its context and head.
@@ -24,7 +24,7 @@ from benchdoc import bench_model, machine, write_section  # first (before jax); 
 import jax
 import numpy as np
 
-from flops import decode_flops, prefill_flops
+from marljax.models.flops import decode_flops, prefill_flops
 from roofline import matmul_gflops
 from marljax.models.sources import smollm2_gguf_path
 from marljax.sampling import SamplingParams, generate, layer_weights
@@ -77,7 +77,7 @@ def main():
              f"{new} new tokens (no early stop), greedy; marljax and HF `generate` alternate run by run; medians. "
              "marljax samples from per-layer weights made once (`layer_weights`, as the trainer does once per "
              "sampling call); HF holds per-layer tensors anyway. Prefill = a 1-token generation; decode = the rest. "
-             "% of roof = model FLOP/s (`bench/flops.py`: causal attention; the head on the last prompt position "
+             "% of roof = model FLOP/s (`marljax/models/flops.py`: causal attention; the head on the last prompt position "
              "in prefill, on every new token in decode) over the measured matmul rate. Compile time is excluded "
              "(every shape runs once first); its column is each engine's first calls' excess over the medians (for HF, "
              "which compiles nothing, warm-up only).", "",

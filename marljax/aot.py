@@ -11,7 +11,7 @@ compiles it with libtpu's compile-only client for the topology. XLA's TPU compil
   bytes    XLA's peak (`Program`): arguments, outputs and temporaries live at once (the donated params
            and optimizer state alias their outputs); temp is what the peak holds beyond arguments and outputs
   flops    the compiled program's FLOPs (`cost_analysis`), beside the model FLOPs of the same tokens
-           (`bench/flops.py`: the useful work); their ratio is the recompute overhead (remat, the
+           (`models/flops.py`: the useful work); their ratio is the recompute overhead (remat, the
            log-prob chunks' rematerialisation, the attention kernel's own backward)
   roofline max(flops / peak, bytes accessed / HBM bandwidth) of one such call
 `compile_engine` does the same for the cell's rollout engine (`marljax.sampling.engine`): its jitted prefill and
@@ -96,7 +96,7 @@ class Compiled:
     hbm_bytes: int
     flops: float  # compiled, per chip, one call
     bytes_accessed: float
-    model_flops: float  # bench/flops.py train_flops of the same tokens, per chip
+    model_flops: float  # models/flops.py train_flops of the same tokens, per chip
     peak_flops: float  # per chip, FLOP/s
     hbm_bandwidth: float  # bytes/s
     compile_s: float
@@ -403,8 +403,8 @@ def _abstract_batch(mesh, rules, rows: int, T: int, R: int):
 
 
 def _model_flops(model_cfg, lora_cfg, shape: UpdateShape) -> float:
-    """bench/flops.py's train FLOPs of the micro-batch's tokens (all rows real: prompt T − 1 − R, response R)."""
-    from bench.flops import train_flops  # the repository's FLOP counter (run from a checkout)
+    """`models/flops.py`'s train FLOPs of the micro-batch's tokens (all rows real: prompt T − 1 − R, response R)."""
+    from marljax.models.flops import train_flops
     kw = {} if lora_cfg is None else {"lora_rank": lora_cfg.rank, "lora_layers": lora_cfg.layers}
     return float(train_flops(model_cfg, [shape.length - 1 - shape.response] * shape.rows,
                              [shape.response] * shape.rows, **kw))
@@ -418,7 +418,7 @@ def table(results: list[Compiled]) -> str:
              f"state and every role's gradient sums live; long: one longest sample per data-parallel chip; short: "
              f"the most rows of a {SHORT_RESPONSE}-token answer the token budget admits; m.args/m.temp: "
              f"marljax.matrix's memory model of the same micro-batch; TFLOP per chip per call (traced; model: "
-             f"bench/flops.py), roof_s: max(TFLOP / peak, XLA's bytes accessed / HBM bandwidth)", head]
+             f"models/flops.py), roof_s: max(TFLOP / peak, XLA's bytes accessed / HBM bandwidth)", head]
     for c in results:
         p = c.program
         lines.append(f"{c.cell:38} {c.name:12} {str(c.mesh):12} {c.role:12} {c.rows:5d} {c.length:6d} "

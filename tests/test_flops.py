@@ -1,17 +1,12 @@
-"""bench/flops.py: model FLOPs against XLA's own count of the same forward (CPU `cost_analysis`) and a
+"""marljax/models/flops.py: model FLOPs against XLA's own count of the same forward (CPU `cost_analysis`) and a
 hand count of a training step (real tokens only, causal attention, the head on response tokens)."""
-import pathlib
-import sys
-
 import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from marljax.models import flops
 from marljax.models.decoder import Decoder, ModelConfig
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-import flops  # noqa: E402
 
 # One layer: XLA's cost analysis counts a `lax.scan` body once, whatever the trip count.
 CFG = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4,

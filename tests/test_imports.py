@@ -190,6 +190,17 @@ def test_nothing_imports_an_entry_point():
     assert len(graph) > 40 and not into, "\n".join(into)
 
 
+def test_the_package_imports_nothing_from_the_checkout():
+    """bench/ and tests/ are not installed: a module of the package that imports them works only from a
+    checkout with it on sys.path (aot once imported bench.flops, and `python bench/aot_short_rows.py` failed)."""
+    found = [f"{path.name}:{node.lineno} imports {name}" for path in package_sources(package_root()).values()
+             for node in ast.walk(ast.parse(path.read_text()))
+             for name in ([a.name for a in node.names] if isinstance(node, ast.Import)
+                          else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+             if name.split(".")[0] in ("bench", "tests", "benchdoc", "conftest")]
+    assert found == []
+
+
 def test_the_tree_shows_the_layers():
     """A module's path names its layer: each layer below build is a package of that name; the top of
     marljax/ holds the build modules and the entry points, each of which runs as `python -m`."""
