@@ -322,13 +322,18 @@ def _kill_all(uid: int | None = None, pgid: int | None = None) -> None:
 def _kill_as(uid: int) -> None:
     """kill(-1, SIGKILL) sent as `uid` (a run's own uid, `/bin/kill` run as it): the kernel signals every
     process of the uid in one pass, where the /proc sweep of `_kill_all` trails a fork bomb whose
-    children leave the group (a loaded host took 3-7 s that way). The sweep still checks after it."""
+    children leave the group (a loaded host took 3-7 s that way). The sweep still checks after it.
+    Behind util-linux's `setpriv` where there is one, so that Popen can vfork: Popen's own `user=` forks
+    the whole trainer (~1 s for a 3 GB one beside busy processes, while the run's processes spin)."""
     kill = shutil.which("kill", path="/bin:/usr/bin")
     if kill is None:
         return
+    setpriv = shutil.which("setpriv", path="/usr/bin:/bin")
+    command = [kill, "-KILL", "-1"]
+    argv, as_user = (([setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *command], {}) if setpriv
+                     else (command, _as_user(uid)))
     try:
-        subprocess.run([kill, "-KILL", "-1"], user=uid, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                       timeout=5)
+        subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=5, **as_user)
     except (OSError, subprocess.SubprocessError):
         pass  # the sweep kills them one by one
 
