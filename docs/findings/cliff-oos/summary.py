@@ -9,12 +9,11 @@ so such a seed counts the base run for it, and says so.
 """
 from __future__ import annotations
 
-import json
 import pathlib
-import sys
 
 from marljax.analysis.report import summarize
 from marljax.analysis.seed_stats import difference
+from marljax.core.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEEDS, MITIGATIONS = (2, 3, 4), ("rollback025", "onestep")
@@ -22,7 +21,7 @@ SEEDS, MITIGATIONS = (2, 3, 4), ("rollback025", "onestep")
 
 def fired(run: pathlib.Path) -> bool:
     """Whether the run's validation drop fired the cliff detector at any eval."""
-    return any(json.loads(line).get("diag/cliff") for line in (run / "metrics.jsonl").read_text().splitlines())
+    return any(r.get("diag/cliff") for r in read_metrics(run))
 
 
 def runs() -> dict[str, dict[int, tuple[dict, str]]]:
@@ -64,4 +63,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
